@@ -1,0 +1,1 @@
+"""Building blocks shared by the mixers and the model: norms, MLP, RoPE, short conv, init."""

@@ -1,0 +1,1 @@
+"""Token mixers, one file each: gdn, attention (full / sliding window), lte, nsa."""

@@ -1,0 +1,87 @@
+"""Gated DeltaNet mixer (REFERENCE_SPEC §2, FLA's GatedDeltaNet layer with use_gate and short conv).
+
+x -> q, k, v (projection, causal depthwise conv 4, SiLU), beta = sigmoid(b_proj x),
+g = -exp(A_log) * softplus(a_proj x + dt_bias) (natural-log decay, float32), the gated delta rule
+with q/k l2-normalised inside the kernel, then a per-head RMSNorm gated by SiLU(g_proj x), o_proj.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lalte_jax.config import ModelConfig
+from lalte_jax.layers.norms import rms_normalize
+from lalte_jax.layers.short_conv import ShortConv
+from lalte_jax.mixers.projections import input_projection, output_projection
+from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
+
+
+def init_a_log(key: jax.Array, num_heads: int) -> jax.Array:
+  """A ~ U(0, 16), A_log = log A (§1.4; G18: the intended init, not the reference's meta-device
+  leftovers). A is kept away from exactly 0 so that A_log is finite."""
+  a = jax.random.uniform(key, (num_heads,), jnp.float32, minval=0.0, maxval=16.0)
+  return jnp.log(jnp.maximum(a, 1e-6))
+
+
+def init_dt_bias(key: jax.Array, num_heads: int) -> jax.Array:
+  """dt = exp(U(log 1e-3, log 1e-1)) clamped >= 1e-4; dt_bias = softplus^-1(dt) (§1.4)."""
+  log_dt = jax.random.uniform(key, (num_heads,), jnp.float32, minval=math.log(1e-3),
+                              maxval=math.log(1e-1))
+  dt = jnp.maximum(jnp.exp(log_dt), 1e-4)
+  return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class GatedDeltaNet(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    gdn = config.gdn
+    self.config = config
+    hidden = config.hidden_size
+    key_dim = gdn.num_heads * gdn.head_dim
+    value_dim = gdn.num_heads * gdn.value_dim
+    self.q_proj = input_projection(config, hidden, key_dim, rngs)
+    self.k_proj = input_projection(config, hidden, key_dim, rngs)
+    self.v_proj = input_projection(config, hidden, value_dim, rngs)
+    self.g_proj = input_projection(config, hidden, value_dim, rngs)
+    self.a_proj = input_projection(config, hidden, gdn.num_heads, rngs)
+    self.b_proj = input_projection(config, hidden, gdn.num_heads, rngs)
+    self.q_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs)
+    self.k_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs)
+    self.v_conv = ShortConv(value_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs)
+    self.A_log = nnx.Param(init_a_log(rngs.params(), gdn.num_heads))
+    self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), gdn.num_heads))
+    # One RMSNorm weight over d_v, shared by all heads.
+    self.o_norm_weight = nnx.Param(jnp.ones((gdn.value_dim,), jnp.float32))
+    self.o_proj = output_projection(config, value_dim, rngs)
+
+  def gates(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(g, beta), each [B, T, H] float32."""
+    beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+    a_BTH = self.a_proj(x_BTD).astype(jnp.float32)
+    g_BTH = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH + self.dt_bias[...])
+    return g_BTH, beta_BTH
+
+  def output(self, o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Array:
+    """Gated per-head RMSNorm, then o_proj."""
+    gdn = self.config.gdn
+    batch, length = x_BTD.shape[:2]
+    gate_BTHV = self.g_proj(x_BTD).reshape(batch, length, gdn.num_heads, gdn.value_dim)
+    normed = rms_normalize(o_BTHV, gdn.norm_eps) * self.o_norm_weight[...]
+    gated = (normed * jax.nn.silu(gate_BTHV.astype(jnp.float32))).astype(x_BTD.dtype)
+    return self.o_proj(gated.reshape(batch, length, -1))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    gdn = self.config.gdn
+    batch, length = x_BTD.shape[:2]
+    heads = (batch, length, gdn.num_heads)
+    q_BTHK = self.q_conv(self.q_proj(x_BTD)).reshape(*heads, gdn.head_dim)
+    k_BTHK = self.k_conv(self.k_proj(x_BTD)).reshape(*heads, gdn.head_dim)
+    v_BTHV = self.v_conv(self.v_proj(x_BTD)).reshape(*heads, gdn.value_dim)
+    g_BTH, beta_BTH = self.gates(x_BTD)
+    o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH,
+                                       use_qk_l2norm=True, implementation=gdn.implementation)
+    return self.output(o_BTHV, x_BTD)

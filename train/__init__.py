@@ -1,0 +1,1 @@
+"""Training entry points (the full trainer arrives with the pretraining issue)."""
