@@ -1,0 +1,118 @@
+"""Building blocks: RoPE and its inverse, short conv, RMSNorm, SwiGLU width, initialisation."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lalte_jax.config import get_model_config
+from lalte_jax.layers.norms import RMSNorm
+from lalte_jax.layers.rope import apply_rope, default_positions, derope
+from lalte_jax.layers.short_conv import causal_depthwise_conv
+from lalte_jax.mixers.gdn import GatedDeltaNet
+from lalte_jax.model import HybridLM
+from lalte_jax.presets import intermediate_size
+
+
+def test_rope_matches_the_rotate_half_formula():
+  x = np.random.default_rng(0).normal(size=(1, 3, 2, 8)).astype(np.float32)
+  positions = jnp.asarray([[0, 5, 4095]])
+  out = np.asarray(apply_rope(jnp.asarray(x), positions, 10_000.0))
+  inv_freq = 10_000.0 ** (-np.arange(0, 8, 2) / 8)
+  for t, p in enumerate([0, 5, 4095]):
+    angle = p * inv_freq
+    x1, x2 = x[0, t, :, :4], x[0, t, :, 4:]
+    expected = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                               x2 * np.cos(angle) + x1 * np.sin(angle)], -1)
+    np.testing.assert_allclose(out[0, t], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_derope_inverts_rope_and_scores_depend_on_offsets_only():
+  key_q, key_k = jax.random.split(jax.random.key(0))
+  q = jax.random.normal(key_q, (1, 1, 1, 16))
+  k = jax.random.normal(key_k, (1, 1, 1, 16))
+  positions = default_positions(1, 1)
+  np.testing.assert_allclose(np.asarray(derope(apply_rope(k, positions + 777, 1e4),
+                                               positions + 777, 1e4)), np.asarray(k), atol=1e-5)
+  score = lambda pq, pk: float(jnp.sum(apply_rope(q, positions + pq, 1e4) *
+                                       apply_rope(k, positions + pk, 1e4)))
+  assert score(10, 3) == pytest.approx(score(1010, 1003), rel=1e-4, abs=1e-5)
+
+
+def test_short_conv_tap_order_is_pytorch_cross_correlation():
+  x = np.random.default_rng(1).normal(size=(2, 9, 3)).astype(np.float32)
+  w = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
+  out = np.asarray(causal_depthwise_conv(jnp.asarray(x), jnp.asarray(w)))
+  for t in range(9):
+    expected = sum(w[:, 3 - d] * x[:, t - d] for d in range(4) if t - d >= 0)
+    np.testing.assert_allclose(out[:, t], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm():
+  norm = RMSNorm(4, eps=1e-6)
+  x = jnp.asarray([[3.0, -1.0, 2.0, 0.5]], jnp.bfloat16)
+  y = norm(x)
+  assert y.dtype == jnp.bfloat16
+  x32 = np.asarray(x, np.float32)
+  np.testing.assert_allclose(np.asarray(y, np.float32),
+                             x32 / np.sqrt((x32 ** 2).mean() + 1e-6), rtol=1e-2)
+
+
+def test_mlp_width_formula():
+  assert intermediate_size(1024) == 2816 and intermediate_size(2048) == 5632
+
+
+def max_abs(variable):
+  return float(jnp.max(jnp.abs(variable[...])))
+
+
+def test_hybrid_family_rescales_residual_outputs_and_others_do_not():
+  """G17: o_proj/down_proj ~ U(+-1/sqrt(fan_in)) / sqrt(48) in hybrid-family models only."""
+  lalte = HybridLM(get_model_config("lalte-tiny").replace(num_layers=24,
+                                                          layer_pattern=("gdn", "lte") * 12),
+                   rngs=nnx.Rngs(0))
+  blocks = lalte.groups.blocks
+  fan_in = 64
+  bound = 1 / math.sqrt(fan_in) / math.sqrt(48)
+  for block in blocks:
+    o_proj = (block.mixer.o_proj if hasattr(block.mixer, "o_proj") else block.mixer.proj.o_proj)
+    assert max_abs(o_proj.kernel) <= bound
+    assert max_abs(o_proj.kernel) > 0.9 * bound  # uniform: the extremes are reached
+    assert max_abs(block.mlp.down_proj.kernel) <= 1 / math.sqrt(192) / math.sqrt(48)
+  gdn_swa = HybridLM(get_model_config("gdn_swa-tiny"), rngs=nnx.Rngs(0))
+  o_proj = gdn_swa.groups.blocks[1].mixer.proj.o_proj.kernel[...]
+  assert float(jnp.std(o_proj)) == pytest.approx(0.006, rel=0.1)  # Normal(0, 0.006)
+
+
+def test_projection_embedding_and_router_init():
+  model = HybridLM(get_model_config("lalte-tiny"), rngs=nnx.Rngs(0))
+  assert float(jnp.std(model.embed.embedding[...])) == pytest.approx(0.006, rel=0.05)
+  lte_block = model.groups.blocks[1]
+  assert float(jnp.std(lte_block.mixer.proj.q_proj.kernel[...])) == pytest.approx(0.006, rel=0.1)
+  np.testing.assert_array_equal(np.asarray(lte_block.mixer.router.proj_bias[...]), 0.5)
+  first_conv = lte_block.mixer.router.conv_weights[0][...]  # fan_in = 2*16 channels * 3 taps
+  assert float(jnp.std(first_conv)) == pytest.approx(math.sqrt(2 / 96), rel=0.1)
+  np.testing.assert_array_equal(np.asarray(lte_block.mlp_norm.weight[...]), 1.0)
+
+
+def test_gdn_decay_parameters_init():
+  layer = GatedDeltaNet(get_model_config("gdn-0.4b"), rngs=nnx.Rngs(0))
+  a = np.exp(np.asarray(layer.A_log[...]))
+  assert np.all((a > 0) & (a <= 16))
+  dt = np.asarray(jax.nn.softplus(layer.dt_bias[...]))  # softplus(dt_bias) recovers dt
+  assert np.all((dt >= 1e-3 * 0.999) & (dt <= 1e-1 * 1.001))
+
+
+def test_gdn_layer_gates_follow_the_reference_formulas():
+  config = get_model_config("gdn-tiny")
+  layer = GatedDeltaNet(config, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (1, 5, config.hidden_size))
+  g, beta = layer.gates(x)
+  a = np.asarray(x @ layer.a_proj.kernel[...])
+  expected_g = -np.exp(np.asarray(layer.A_log[...])) * np.log1p(
+      np.exp(a + np.asarray(layer.dt_bias[...])))
+  np.testing.assert_allclose(np.asarray(g), expected_g, rtol=1e-5)
+  assert np.all(np.asarray(g) < 0) and np.all((np.asarray(beta) > 0) & (np.asarray(beta) < 1))
