@@ -1,0 +1,163 @@
+"""Tokenizers loaded from a local file: HF `tokenizers` JSON, SentencePiece `.model`, or bytes.
+
+`load_tokenizer(path)` picks the kind from the path: `None` -> byte-level; a `.json` file or a
+directory holding `tokenizer.json` -> HF `tokenizers`; a `.model` file -> SentencePiece. Every
+tokenizer has `encode(text) -> list[int]` (no special tokens added: the packer adds BOS itself,
+§8.2), `encode_batch(texts)`, `decode(ids) -> str`, `vocab_size`, `bos_id`, `eos_id` (None when the
+vocabulary has none) and `name` (recorded in the data metadata). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Protocol, Sequence
+
+# Special-token spellings tried, in order, when a HF tokenizer does not name its BOS/EOS.
+_BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
+_EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|endoftext|>")
+
+
+class Tokenizer(Protocol):
+  name: str
+  vocab_size: int
+  bos_id: int | None
+  eos_id: int | None
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257 (vocab_size 258)."""
+  name = "byte"
+  vocab_size = 258
+  bos_id = 256
+  eos_id = 257
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(text) for text in texts]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    # Special ids carry no text; a cut multi-byte character decodes to U+FFFD, not an error.
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A HF `tokenizers` JSON file. BOS/EOS: the given tokens, else `tokenizer_config.json` beside
+  the file, else the first of the usual spellings found in the vocabulary."""
+
+  def __init__(self, path: pathlib.Path, *, bos_token: str | None = None,
+               eos_token: str | None = None):
+    try:
+      import tokenizers  # pylint: disable=import-outside-toplevel
+    except ImportError as error:
+      raise ImportError(f"loading {path} needs the `tokenizers` package (pip install tokenizers)"
+                        ) from error
+    self.name = str(path)
+    self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    configured = _read_hf_special_tokens(path.parent / "tokenizer_config.json")
+    self.bos_id = self._special_id(bos_token or configured.get("bos_token"), _BOS_CANDIDATES, "BOS")
+    self.eos_id = self._special_id(eos_token or configured.get("eos_token"), _EOS_CANDIDATES, "EOS")
+
+  def _special_id(self, token: str | None, candidates: Sequence[str], role: str) -> int | None:
+    if token is not None:
+      token_id = self._tokenizer.token_to_id(token)
+      if token_id is None:
+        raise ValueError(f"{role} token {token!r} is not in the vocabulary of {self.name}")
+      return token_id
+    for candidate in candidates:
+      token_id = self._tokenizer.token_to_id(candidate)
+      if token_id is not None:
+        return token_id
+    return None
+
+  def encode(self, text: str) -> list[int]:
+    return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    # The Rust side tokenizes the batch in parallel.
+    encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    return [encoding.ids for encoding in encodings]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _read_hf_special_tokens(config_path: pathlib.Path) -> dict[str, str]:
+  """bos_token / eos_token from a HF tokenizer_config.json (a string or {"content": ...})."""
+  if not config_path.is_file():
+    return {}
+  config = json.loads(config_path.read_text(encoding="utf-8"))
+  tokens = {}
+  for field in ("bos_token", "eos_token"):
+    value = config.get(field)
+    if isinstance(value, dict):
+      value = value.get("content")
+    if isinstance(value, str):
+      tokens[field] = value
+  return tokens
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece `.model` file; BOS/EOS as the model defines them (None when disabled)."""
+
+  def __init__(self, path: pathlib.Path):
+    try:
+      import sentencepiece  # pylint: disable=import-outside-toplevel
+    except ImportError as error:
+      raise ImportError(f"loading {path} needs the `sentencepiece` package"
+                        " (pip install sentencepiece)") from error
+    self.name = str(path)
+    self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    self.vocab_size = self._processor.get_piece_size()
+    self.bos_id = self._processor.bos_id() if self._processor.bos_id() >= 0 else None
+    self.eos_id = self._processor.eos_id() if self._processor.eos_id() >= 0 else None
+
+  def encode(self, text: str) -> list[int]:
+    return self._processor.encode(text, out_type=int)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._processor.encode(list(texts), out_type=int)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._processor.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: str | os.PathLike | None = None, *, bos_token: str | None = None,
+                   eos_token: str | None = None) -> Tokenizer:
+  """The tokenizer stored at `path` (see the module docstring); byte-level when `path` is None.
+
+  `bos_token` / `eos_token` name the special tokens of a HF tokenizer whose files do not.
+  Raises FileNotFoundError for a missing path and ValueError for an unknown kind of file.
+  """
+  if path is None:
+    if bos_token is not None or eos_token is not None:
+      raise ValueError("bos_token/eos_token apply to a HF tokenizer file; the byte-level tokenizer"
+                       " has fixed ids (BOS 256, EOS 257)")
+    return ByteTokenizer()
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"tokenizer file {path} does not exist")
+  if path.is_dir():
+    if not (path / "tokenizer.json").is_file():
+      raise ValueError(f"tokenizer directory {path} has no tokenizer.json (a SentencePiece model"
+                       " must be given as its .model file)")
+    path = path / "tokenizer.json"
+  if path.suffix == ".json":
+    return HFTokenizer(path, bos_token=bos_token, eos_token=eos_token)
+  if path.suffix == ".model":
+    if bos_token is not None or eos_token is not None:
+      raise ValueError("bos_token/eos_token cannot be set for a SentencePiece model: it defines"
+                       " its own BOS/EOS ids")
+    return SentencePieceTokenizer(path)
+  raise ValueError(f"unknown tokenizer file {path}: expected a HF tokenizers .json file, a"
+                   " directory holding tokenizer.json, or a SentencePiece .model file")

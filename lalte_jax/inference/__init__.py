@@ -1,0 +1,1 @@
+"""Constant-memory inference: per-layer decode caches and the generation loop (REFERENCE_SPEC §5)."""
