@@ -44,6 +44,26 @@ def l2_normalize(x_BTHD: jax.Array) -> jax.Array:
   return x_BTHD * jax.lax.rsqrt(sum_sq_BTH1 + L2NORM_EPS)
 
 
+def unit_lower_inverse(a_NCC: jax.Array) -> jax.Array:
+  """(I + A)^{-1} for strictly lower-triangular A [..., C, C], by doubling.
+
+  A is nilpotent (A^C = 0), so (I + A)^{-1} = sum_{m<C} (-A)^m = prod_i (I + (-A)^(2^i)) with
+  ceil(log2 C) factors: only matmuls, exact in exact arithmetic.
+  Why not `lax.linalg.triangular_solve`: on jaxlib 0.10.2's CPU backend the compile of its
+  gradient nested in the model's layer scan (>= 3 layers) deadlocks; batched matmuls also suit the
+  GPU better than a solve.
+  """
+  size = a_NCC.shape[-1]
+  power_NCC = -a_NCC
+  inverse_NCC = jnp.eye(size, dtype=a_NCC.dtype) + power_NCC
+  covered = 2  # inverse_NCC holds the sum of (-A)^m for m < covered
+  while covered < size:
+    power_NCC = _einsum("...ij,...jk->...ik", power_NCC, power_NCC)
+    inverse_NCC = inverse_NCC + _einsum("...ij,...jk->...ik", inverse_NCC, power_NCC)
+    covered *= 2
+  return inverse_NCC
+
+
 def _prepare_inputs(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
   """Upcasts to the compute dtype, normalises q and k if asked and folds `scale` into q."""
   dtype = compute_dtype(q, k, v, g, beta, initial_state)
@@ -123,7 +143,7 @@ def chunk_gated_delta_rule_reference(
   Within a chunk of C tokens with start state S0 and cumulative log-decay G_i = sum_{m<=i} g_m:
 
     A[i,j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i      (strictly lower triangular)
-    T      = (I + A)^{-1} diag(beta)                          (unit-lower-triangular solve)
+    T      = (I + A)^{-1} diag(beta)                          (unit-lower-triangular inverse)
     W      = T diag(exp(G)) K,   U = T V - W S0                (U: the "pseudo values")
     O      = diag(exp(G)) Q S0 + (Q K^T ⊙ M) U,   M[i,j] = exp(G_i - G_j) for j <= i
     S_next = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T U
@@ -177,11 +197,7 @@ def chunk_gated_delta_rule_reference(
   # A = strictly lower part of diag(beta) (Gamma K K^T Gamma^{-1}); T = (I + A)^{-1} diag(beta).
   kk_BNHCC = _einsum("bnihk,bnjhk->bnhij", k_BNCHK, k_BNCHK)
   a_BNHCC = beta_BNHC[..., :, None] * strict_decay_BNHCC * kk_BNHCC
-  eye_CC = jnp.eye(chunk_size, dtype=dtype)
-  # unit_diagonal: the solve reads only the strict lower triangle, so I + A is implicit.
-  t_BNHCC = jax.lax.linalg.triangular_solve(
-      a_BNHCC, eye_CC * beta_BNHC[..., None, :], left_side=True, lower=True,
-      unit_diagonal=True)
+  t_BNHCC = _einsum("bnhij,bnhj->bnhij", unit_lower_inverse(a_BNHCC), beta_BNHC)
 
   gamma_BNCH = jnp.exp(log_gamma_BNCH)
   w_BNHCK = _einsum("bnhij,bnjhk->bnhik", t_BNHCC, gamma_BNCH[..., None] * k_BNCHK)
