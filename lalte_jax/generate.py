@@ -1,0 +1,221 @@
+"""Generation with constant-memory caches (GDN, SWA, LTE) and preallocated ones (full attention,
+NSA): `init_cache`, `prefill`, `decode_step` and the jitted `generate` loop built on them.
+
+    cache = init_cache(model, batch_size=2, max_length=256)
+    logits_BV, cache = prefill(model, tokens_BT, cache, pad_mask=mask_BT)   # left-padded prompts
+    logits_BV, cache = decode_step(model, next_token_B, cache)
+    out = generate(model, [[1, 5, 9], [1, 7]], 32, temperature=0.0)        # out.tokens [B, 32]
+
+Batches are left-padded. RoPE positions of full / SWA / NSA layers start at each row's first real
+token (§3.1), LTE layers use padded-tensor indices (§5.5), and pads leave GDN states unchanged, so a
+prompt gives the same tokens alone or in a batch. `generate` compiles once per (batch, prompt
+bucket, new-token bucket, eviction) and takes temperature / top-k / top-p / stop tokens as traced
+values. CLI: `python -m lalte_jax.generate --checkpoint DIR --prompt "..."` (see
+`lalte_jax.inference.cli`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lalte_jax.inference import caches, prompts, sampling, stack
+from lalte_jax.inference.caches import ModelCache
+from lalte_jax.inference.eviction import EvictionConfig
+
+__all__ = ["EvictionConfig", "GenerationOutput", "ModelCache", "decode_step", "decode_step_fn",
+           "generate", "init_cache", "prefill"]
+
+# Traces of the jitted entries (a trace precedes every compile): lets tests check the buckets.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def init_cache(model, batch_size: int, max_length: int | None = None, *,
+               eviction: EvictionConfig | None = None) -> ModelCache:
+  """An empty cache for `batch_size` rows.
+
+  max_length: padded tokens (prompt + generated) the full-attention and NSA caches can hold;
+    required for models with such layers, ignored otherwise (their cache has a constant size).
+  eviction: `EvictionConfig("tova" | "uniform", cache_size)` replaces the full-attention caches by
+    a constant-size evicting cache (§7.1-7.2).
+  """
+  return caches.init_model_cache(model.config, batch_size, max_length, eviction)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("all_logits",),
+                   donate_argnums=(4,))
+def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits):
+  TRACE_COUNTS["prefill"] += 1
+  return stack.prefill_impl(nnx.merge(graphdef, state), tokens_BT, valid_BT, cache, all_logits)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _decode_jit(graphdef, state, token_B, cache):
+  TRACE_COUNTS["decode"] += 1
+  return stack.decode_impl(nnx.merge(graphdef, state), token_B, cache)
+
+
+def _check_tokens(tokens, ndim: int, vocab_size: int, what: str) -> np.ndarray:
+  array = np.asarray(tokens)
+  if array.ndim != ndim or not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"{what}: expected int token ids of rank {ndim}, got {array.dtype}"
+                     f" {array.shape}")
+  prompts.check_token_ids(array, vocab_size, what)
+  return array
+
+
+def prefill(model, tokens, cache: ModelCache, pad_mask=None, *, all_logits: bool = False
+            ) -> tuple[jax.Array, ModelCache]:
+  """Runs left-padded prompts `tokens` [B, T] through an empty cache (the cache is donated).
+
+  pad_mask: [B, T] bool, True = real token, pads first in every row; None = no padding.
+  Returns logits [B, V] float32 of each row's last token ([B, T, V] with `all_logits`) and the
+  cache. Raises ValueError for empty prompts, ids outside the vocabulary, a used cache, or a prompt
+  longer than the cache's `max_length`.
+  """
+  config = model.config
+  tokens = _check_tokens(tokens, 2, config.vocab_size, "tokens")
+  batch, length = tokens.shape
+  if length == 0:
+    raise ValueError("tokens: the prompt is empty (length 0)")
+  valid = np.ones((batch, length), bool) if pad_mask is None else np.asarray(pad_mask)
+  if valid.shape != (batch, length) or valid.dtype != bool:
+    raise ValueError(f"pad_mask: expected bool {(batch, length)}, got {valid.dtype}"
+                     f" {valid.shape}")
+  prompts.check_left_padded(valid)
+  if cache.pad_count_B.shape[0] != batch:
+    raise ValueError(f"cache: built for batch {cache.pad_count_B.shape[0]}, tokens have {batch}")
+  if int(cache.position) != 0:
+    raise ValueError("cache: prefill needs an empty cache from init_cache (this one holds"
+                     f" {int(cache.position)} tokens); continue with decode_step")
+  if cache.max_length is not None and length > cache.max_length:
+    raise ValueError(f"tokens: the prompt has {length} tokens (pads included) but the"
+                     f" full-attention/NSA cache holds max_length={cache.max_length}")
+  graphdef, state = nnx.split(model)
+  return _prefill_jit(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid), cache,
+                      all_logits=all_logits)
+
+
+def decode_step(model, token, cache: ModelCache, *, validate: bool = True
+                ) -> tuple[jax.Array, ModelCache]:
+  """Feeds one token per row (`token` [B]) after a prefill; returns logits [B, V] and the cache.
+
+  The input cache is donated (use the returned one). `validate=False` skips the host-side checks
+  (token range, a prefilled cache, room left), which synchronise with the device.
+  """
+  if validate:
+    config = model.config
+    token = _check_tokens(token, 1, config.vocab_size, "token")
+    if token.shape[0] != cache.pad_count_B.shape[0]:
+      raise ValueError(f"token: {token.shape[0]} rows, the cache has"
+                       f" {cache.pad_count_B.shape[0]}")
+    position = int(cache.position)
+    if position == 0:
+      raise ValueError("cache: empty; call prefill with the prompt first")
+    if cache.max_length is not None and position >= cache.max_length:
+      raise ValueError(f"cache: full (max_length={cache.max_length} padded tokens); build it with"
+                       " a larger max_length")
+  graphdef, state = nnx.split(model)
+  return _decode_jit(graphdef, state, jnp.asarray(token, jnp.int32), cache)
+
+
+def decode_step_fn(model):
+  """`decode_step` without per-call checks or model splitting, for benchmarks and custom loops:
+  returns `step(token_B, cache) -> (logits_BV, cache)` (the cache is donated)."""
+  graphdef, state = nnx.split(model)
+  return lambda token_B, cache: _decode_jit(graphdef, state, token_B, cache)
+
+
+@flax.struct.dataclass
+class GenerationOutput:
+  tokens: jax.Array  # [B, max_new_tokens] int32; after a stop token: pad_id
+  lengths: jax.Array  # [B] int32 generated tokens per row, the stop token included
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1),
+                   static_argnames=("new_bucket", "max_length", "eviction"))
+def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, params, stop_S,
+                  key, pad_id, *, new_bucket, max_length, eviction):
+  TRACE_COUNTS["generate"] += 1
+  model = nnx.merge(graphdef, state)
+  batch = tokens_BP.shape[0]
+  cache = caches.build_cache(config, batch, max_length, eviction)
+  logits_BV, cache = stack.prefill_impl(model, tokens_BP, valid_BP, cache, all_logits=False)
+
+  def cond(carry):
+    step, _, _, done_B, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done_B)
+
+  def body(carry):
+    step, logits_BV, cache, done_B, out_BN = carry
+    token_B = sampling.sample_tokens(logits_BV, jax.random.fold_in(key, step), params)
+    token_B = jnp.where(done_B, pad_id, token_B)
+    out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, token_B[:, None], step, axis=1)
+    done_B = done_B | jnp.any(token_B[:, None] == stop_S[None, :], axis=1)
+    # The last iteration's decode is not needed; skipping it would cost a cond on every step.
+    logits_BV, cache = stack.decode_impl(model, token_B, cache)
+    return step + 1, logits_BV, cache, done_B, out_BN
+
+  out_BN = jnp.full((batch, new_bucket), pad_id, jnp.int32)
+  carry = (jnp.zeros((), jnp.int32), logits_BV, cache, jnp.zeros((batch,), bool), out_BN)
+  step, _, _, _, out_BN = jax.lax.while_loop(cond, body, carry)
+  # A row's length: up to and including its first stop token, else every generated token.
+  is_stop_BN = jnp.any(out_BN[:, :, None] == stop_S[None, None, :], axis=-1)
+  is_stop_BN = is_stop_BN & (jnp.arange(new_bucket) < step)[None]
+  first_stop_B = jnp.where(jnp.any(is_stop_BN, axis=1), jnp.argmax(is_stop_BN, axis=1) + 1, step)
+  return out_BN, first_stop_B.astype(jnp.int32)
+
+
+def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt_lengths=None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             stop_tokens: Sequence[int] = (), rng: jax.Array | None = None,
+             eviction: EvictionConfig | None = None, pad_id: int = 0) -> GenerationOutput:
+  """Generates up to `max_new_tokens` tokens per prompt (greedy when temperature == 0).
+
+  prompt_tokens: a list of token-id sequences, or an int array [B, T] with `pad_mask` ([B, T]
+    bool, True = real, any padding side) or `prompt_lengths` ([B], the first L_b tokens are real).
+  stop_tokens: ids that end a row (the stop token is kept in the output); rows stop independently,
+    the loop when every row has stopped.
+  rng: a `jax.random.key`, required when temperature > 0.
+  eviction: an `EvictionConfig` for the full-attention layers (TOVA / uniform, §7.1-7.2).
+  Raises ValueError for empty prompts, ids outside the vocabulary, max_new_tokens < 1, or bad
+  sampling arguments.
+  """
+  config = model.config
+  if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
+  params = sampling.make_sampling_params(temperature, top_k, top_p)
+  if temperature > 0 and rng is None:
+    raise ValueError("rng: sampling (temperature > 0) needs an explicit jax.random.key")
+  key = jax.random.key(0) if rng is None else rng
+  tokens_BP, valid_BP = prompts.left_pad_prompts(
+      prompt_tokens, pad_mask=pad_mask, prompt_lengths=prompt_lengths,
+      vocab_size=config.vocab_size, pad_id=pad_id)
+  stop = np.asarray(list(stop_tokens), np.int64).reshape(-1)
+  prompts.check_token_ids(stop, config.vocab_size, "stop_tokens")
+  # Stop lists padded to a multiple of 8 with -1 (never sampled) so their count rarely recompiles.
+  stop_S = np.full((max(8, -(-stop.size // 8) * 8),), -1, np.int32)
+  stop_S[:stop.size] = stop
+  new_bucket = prompts.bucket_length(int(max_new_tokens))
+  max_length = caches.check_cache_request(config, tokens_BP.shape[0],
+                                          tokens_BP.shape[1] + new_bucket, eviction)
+  graphdef, state = nnx.split(model)
+  out_BN, lengths_B = _generate_jit(
+      graphdef, config, state, jnp.asarray(tokens_BP), jnp.asarray(valid_BP),
+      jnp.asarray(max_new_tokens, jnp.int32), params, jnp.asarray(stop_S), key,
+      jnp.asarray(pad_id, jnp.int32), new_bucket=new_bucket, max_length=max_length,
+      eviction=eviction)
+  return GenerationOutput(tokens=out_BN[:, :max_new_tokens], lengths=lengths_B)
+
+
+if __name__ == "__main__":
+  from lalte_jax.inference.cli import main
+  main()

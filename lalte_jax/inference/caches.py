@@ -1,0 +1,166 @@
+"""Decode caches of every mixer kind, and the whole model's cache (REFERENCE_SPEC §2, §3.1, §5, §6).
+
+Batches are left-padded (the prompt's real tokens end at the same padded-tensor index in every
+row), so one scalar `position` — the padded index of the next token — describes every row; a row's
+real position is `position - pad_count[row]`.
+
+Per layer kind (`B` batch, `G` = number of layer groups; every leaf of a layer cache carries a
+leading `[G]` axis because the model scans over stacked groups):
+- GDN: the last `conv_size - 1` pre-activation q/k/v projections (what the causal conv still
+  reads; zeros before the first token and at pads) and the float32 recurrent state `[B,H,Dk,Dv]`.
+  Constant size.
+- SWA: a ring of `window_size` post-RoPE keys and values; the key at padded index p lives in slot
+  `p % window_size`. Constant size.
+- Full attention: keys and values preallocated to `max_length` padded indices (slot = padded index).
+  Grows with nothing but must be sized for the prompt plus the generated tokens. A model whose
+  full-attention layers use an eviction policy (`eviction.py`) keeps a constant-size cache instead.
+- NSA: keys and values preallocated to `max_length` real positions: each row's tokens start at slot
+  0 (pads removed) so that NSA's 64-token blocks start at the row's first real token, as the
+  reference's unpadding to varlen does (§6).
+- LTE: `lte_cache.LTECache` (ring of W = w+1 plus the capped out-of-window segment), constant size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from lalte_jax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class GDNCache:
+  conv_q_BKC: jax.Array  # [B, conv_size-1, key_dim] pre-activation q projections, oldest first
+  conv_k_BKC: jax.Array  # [B, conv_size-1, key_dim]
+  conv_v_BKC: jax.Array  # [B, conv_size-1, value_dim]
+  state_BHKV: jax.Array  # [B, H, Dk, Dv] float32
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Post-RoPE keys and values of a full-attention layer (slot = padded index) or of an SWA layer
+  (ring, slot = padded index mod window_size)."""
+  k_BSKD: jax.Array
+  v_BSKD: jax.Array
+
+
+@flax.struct.dataclass
+class NSACache:
+  """Post-RoPE keys and values of an NSA layer; slot = the row's real position."""
+  k_BSKD: jax.Array
+  v_BSKD: jax.Array
+
+
+@flax.struct.dataclass
+class ModelCache:
+  """Everything a decode step needs besides the parameters.
+
+  layers: one cache per position of the layer group (`config.layer_pattern[:pattern_period]`),
+    each leaf stacked over the `G` groups.
+  pad_count_B: [B] int32 left pads of each row (fixed at prefill).
+  position: [] int32 padded index of the next token (= tokens seen so far, pads included).
+  max_length: capacity in padded indices of the full-attention / NSA caches, None when the model
+    has none (its cache never grows).
+  """
+  layers: tuple[Any, ...]
+  pad_count_B: jax.Array
+  position: jax.Array
+  max_length: int | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def needs_max_length(config: ModelConfig, eviction) -> list[str]:
+  """Layer kinds of `config` whose cache is sized by max_length (empty list: constant memory)."""
+  kinds = []
+  if "attention" in config.layer_pattern and config.attention.window_size is None \
+      and eviction is None:
+    kinds.append("full attention")
+  if "nsa" in config.layer_pattern:
+    kinds.append("nsa")
+  return kinds
+
+
+def _gdn_cache(config: ModelConfig, batch: int) -> GDNCache:
+  gdn = config.gdn
+  dtype = config.compute_dtype
+  key_dim, value_dim = gdn.num_heads * gdn.head_dim, gdn.num_heads * gdn.value_dim
+  taps = gdn.conv_size - 1
+  return GDNCache(
+      conv_q_BKC=jnp.zeros((batch, taps, key_dim), dtype),
+      conv_k_BKC=jnp.zeros((batch, taps, key_dim), dtype),
+      conv_v_BKC=jnp.zeros((batch, taps, value_dim), dtype),
+      state_BHKV=jnp.zeros((batch, gdn.num_heads, gdn.head_dim, gdn.value_dim), jnp.float32))
+
+
+def _kv(batch: int, slots: int, heads: int, head_dim: int, dtype) -> tuple[jax.Array, jax.Array]:
+  shape = (batch, slots, heads, head_dim)
+  return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _layer_cache(kind: str, config: ModelConfig, batch: int, max_length: int | None, eviction):
+  dtype = config.compute_dtype
+  if kind == "gdn":
+    return _gdn_cache(config, batch)
+  if kind == "attention":
+    attn = config.attention
+    if attn.window_size is not None:
+      return KVCache(*_kv(batch, attn.window_size, attn.num_kv_heads, attn.head_dim, dtype))
+    if eviction is not None:
+      from lalte_jax.inference import eviction as eviction_lib
+      return eviction_lib.init_eviction_cache(eviction, attn, batch, dtype)
+    return KVCache(*_kv(batch, max_length, attn.num_kv_heads, attn.head_dim, dtype))
+  if kind == "nsa":
+    nsa = config.nsa
+    return NSACache(*_kv(batch, max_length, nsa.num_kv_heads, nsa.head_dim, dtype))
+  if kind == "lte":
+    from lalte_jax.inference import lte_cache  # written separately; imported only when used
+    return lte_cache.init_lte_cache(config.lte, batch, dtype)
+  raise ValueError(f"unknown mixer kind {kind!r}")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def build_cache(config: ModelConfig, batch: int, max_length: int | None, eviction) -> ModelCache:
+  """The empty cache, unchecked (`init_model_cache` validates). Jitted so that multi-GB caches
+  are created on the device, not transferred from the host; traceable inside other jits."""
+  num_groups = config.num_layers // config.pattern_period
+  layers = []
+  for kind in config.layer_pattern[:config.pattern_period]:
+    one = _layer_cache(kind, config, batch, max_length, eviction)
+    layers.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (num_groups, *x.shape)), one))
+  return ModelCache(layers=tuple(layers), pad_count_B=jnp.zeros((batch,), jnp.int32),
+                    position=jnp.zeros((), jnp.int32), max_length=max_length)
+
+
+def check_cache_request(config: ModelConfig, batch_size: int, max_length: int | None,
+                        eviction=None) -> int | None:
+  """Validates `init_model_cache`'s arguments; returns the max_length the cache will use (None for
+  constant-memory models, whose caches do not depend on it)."""
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size: must be a positive int, got {batch_size!r}")
+  if eviction is not None:
+    if "attention" not in config.layer_pattern or config.attention.window_size is not None:
+      raise ValueError(f"eviction: {config.name} has no full-attention layer to apply"
+                       f" {eviction.policy!r} to (eviction policies replace full-attention caches)")
+  sized = needs_max_length(config, eviction)
+  if max_length is None:
+    if sized:
+      raise ValueError(f"max_length: {config.name} has {' and '.join(sized)} layers whose cache"
+                       " holds every token; give max_length (prompt + new tokens, pads included)")
+  elif not isinstance(max_length, int) or max_length < 1:
+    raise ValueError(f"max_length: must be a positive int or None, got {max_length!r}")
+  return max_length if sized else None
+
+
+def init_model_cache(config: ModelConfig, batch_size: int, max_length: int | None = None,
+                     eviction=None) -> ModelCache:
+  """An empty cache for `batch_size` rows; see `lalte_jax.generate.init_cache`."""
+  max_length = check_cache_request(config, batch_size, max_length, eviction)
+  return build_cache(config, batch_size, max_length, eviction)
+
+
+def cache_bytes(cache: ModelCache) -> int:
+  """Bytes held by the cache arrays (all rows)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

@@ -1,0 +1,178 @@
+"""Decode latency and cache memory vs context length (paper §4.3 / REFERENCE_SPEC §9.5 protocol).
+
+    python tools/bench_decode.py                      # 1.4b laLTE, GDN+SWA, GDN+Attn; B=32; 1K..64K
+    python tools/bench_decode.py --presets lalte-tiny gdn_attn-tiny --contexts 64 128 --batch 2
+
+Random weights. For each preset and context length L the cache is set directly to the state after
+L tokens instead of running a prefill (a 64K prefill of full attention at batch 32 is not what is
+measured): the GDN states and the SWA / LTE rings are full, full attention holds L keys, and the
+LTE out-of-window set is half full (b/2 kept keys per head, as the paper's kernel benchmark). Cache
+values are constants or random numbers; no step's cost depends on them.
+
+Reports the median wall time of `--steps` decode steps (one token for each of the B rows, the whole
+model incl. the LM head) after `--warmup` steps, the batch's tokens/s, and the cache bytes per
+sequence. laLTE also gets the time of a step that runs the lazy rescoring of its ring (§5.4), which
+happens once every W - 2 * margin = 757 steps and is excluded from the median. Prints a markdown
+table and the command line; an out-of-memory context prints "OOM" and the run continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lalte_jax import generate as gen
+from lalte_jax.config import get_model_config
+from lalte_jax.inference.caches import GDNCache, cache_bytes
+from lalte_jax.model import HybridLM
+
+DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn_attn-1.4b")
+DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def filled(x: jax.Array, value: float) -> jax.Array:
+  return jnp.full_like(x, value)
+
+
+def synthetic_layer_cache(kind: str, config, layer_cache, context: int, key: jax.Array):
+  """The layer cache (stacked over groups) after `context` tokens, with placeholder values."""
+  if kind == "gdn":
+    return GDNCache(conv_q_BKC=filled(layer_cache.conv_q_BKC, 0.01),
+                    conv_k_BKC=filled(layer_cache.conv_k_BKC, 0.01),
+                    conv_v_BKC=filled(layer_cache.conv_v_BKC, 0.01),
+                    state_BHKV=filled(layer_cache.state_BHKV, 0.001))
+  if kind == "attention":
+    # SWA ring (full once context >= window) or full cache (first L slots valid): the zeros of
+    # init_cache serve as keys; a filled copy would double the peak memory of a 64K cache.
+    return layer_cache
+  if kind == "lte":
+    lte = config.lte
+    window, cap = lte.window_keys, lte.cap
+    score = jax.random.uniform(key, layer_cache.score.shape, jnp.float32, -0.5, 0.5)
+    slot = jnp.arange(window + cap)[None, None, :, None]
+    half = cap // 2
+    in_ring = min(context, window)
+    # Ring: the last min(L, W) tokens (slots [W - c, W), ptr 0 as after a prefill); OOW: b/2 kept.
+    score = jnp.where(slot < window - in_ring, -jnp.inf, score)
+    score = jnp.where(slot >= window, jnp.where(slot < window + half, jnp.abs(score) + 1e-3,
+                                                -jnp.inf), score)
+    return layer_cache.replace(
+        score=score,  # keys and values: init_cache's zeros
+        past_len=jnp.full_like(layer_cache.past_len, half if context > window else 0),
+        blank=jnp.full_like(layer_cache.blank, window - in_ring),
+        ptr=jnp.zeros_like(layer_cache.ptr), position=jnp.full_like(layer_cache.position, context))
+  raise ValueError(f"bench_decode: no synthetic cache for {kind!r} layers")
+
+
+def synthetic_cache(model, batch: int, context: int, extra: int):
+  config = model.config
+  cache = gen.init_cache(model, batch, max_length=context + extra)
+  kinds = config.layer_pattern[:config.pattern_period]
+  keys = jax.random.split(jax.random.key(0), len(kinds))
+  layers = tuple(synthetic_layer_cache(kind, config, layer, context, key)
+                 for kind, layer, key in zip(kinds, cache.layers, keys))
+  return cache.replace(layers=layers, position=jnp.asarray(context, jnp.int32))
+
+
+def lte_rescoring_due(cache, config):
+  """The cache with every LTE layer's ring pointer at the lazy-rescoring trigger."""
+  lte = config.lte
+  trigger = lte.window_keys - 2 * lte.router_margin
+  kinds = config.layer_pattern[:config.pattern_period]
+  layers = tuple(layer.replace(ptr=jnp.full_like(layer.ptr, trigger)) if kind == "lte" else layer
+                 for kind, layer in zip(kinds, cache.layers))
+  return cache.replace(layers=layers)
+
+
+def timed_steps(step, token_B, cache, count: int):
+  times = []
+  for _ in range(count):
+    start = time.perf_counter()
+    logits, cache = step(token_B, cache)
+    logits.block_until_ready()
+    times.append(time.perf_counter() - start)
+  return times, cache
+
+
+def bench_one(model, batch: int, context: int, steps: int, warmup: int) -> dict:
+  config = model.config
+  step = gen.decode_step_fn(model)
+  cache = synthetic_cache(model, batch, context, extra=warmup + steps + 8)
+  per_sequence = cache_bytes(cache) / batch
+  token_B = jnp.asarray(np.arange(batch) % config.vocab_size, jnp.int32)
+  _, cache = timed_steps(step, token_B, cache, warmup)
+  times, cache = timed_steps(step, token_B, cache, steps)
+  result = {"ms": 1e3 * statistics.median(times), "bytes": per_sequence, "rescore_ms": None}
+  if "lte" in config.layer_pattern:
+    rescores = []
+    for _ in range(3):
+      more, cache = timed_steps(step, token_B, lte_rescoring_due(cache, config), 1)
+      rescores.extend(more)
+    result["rescore_ms"] = 1e3 * statistics.median(rescores)
+  del cache
+  return result
+
+
+def build_model(name: str, dtype: str) -> HybridLM:
+  config = get_model_config(name).replace(dtype=dtype)
+  return nnx.jit(lambda: HybridLM(config, rngs=nnx.Rngs(0)))()  # parameters made on the device
+
+
+def is_out_of_memory(error: Exception) -> bool:
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+  parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--warmup", type=int, default=3)
+  args = parser.parse_args(argv)
+
+  rows = []
+  for name in args.presets:
+    model = build_model(name, args.dtype)
+    for context in args.contexts:
+      try:
+        result = bench_one(model, args.batch, context, args.steps, args.warmup)
+      except Exception as error:  # pylint: disable=broad-except
+        if not is_out_of_memory(error):
+          raise
+        result = None
+      rows.append((name, context, result))
+      status = "OOM" if result is None else f"{result['ms']:.2f} ms"
+      print(f"# {name} L={context}: {status}", file=sys.stderr, flush=True)
+    del model
+
+  device = jax.devices()[0]
+  print(f"\nDevice: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__},"
+        f" batch {args.batch}, {args.dtype} activations, random weights; median of {args.steps}"
+        f" steps after {args.warmup} warm-up.")
+  print(f"Command: python tools/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+        "\n")
+  print("| model | context | decode ms / step | tokens/s (batch) | cache MiB / sequence |"
+        " LTE rescoring step ms |")
+  print("|---|---:|---:|---:|---:|---:|")
+  for name, context, result in rows:
+    if result is None:
+      print(f"| {name} | {context} | OOM | | | |")
+      continue
+    rescore = "" if result["rescore_ms"] is None else f"{result['rescore_ms']:.2f}"
+    print(f"| {name} | {context} | {result['ms']:.2f} | {args.batch / result['ms'] * 1e3:.0f} |"
+          f" {result['bytes'] / 2**20:.2f} | {rescore} |")
+
+
+if __name__ == "__main__":
+  main()
