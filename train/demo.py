@@ -68,7 +68,8 @@ def main(argv=None) -> None:
       line = f"step {step:4d}  loss {float(loss):.4f}  grad norm {float(grad_norm):.3f}"
       if aux.lte_retained is not None:
         kept = np.asarray(aux.lte_retained).mean(axis=1)  # [L_lte, Hkv], averaged over the batch
-        line += f"  LTE tokens kept per head {np.round(kept, 1).tolist()}"
+        rows = "; ".join(" ".join(f"{x:.1f}" for x in layer) for layer in kept)
+        line += f"  LTE tokens kept per layer/head [{rows}]"
       print(line, flush=True)
   elapsed = time.perf_counter() - start
   print(f"{args.steps} steps of {args.batch}x{args.length} tokens in {elapsed:.1f} s"
