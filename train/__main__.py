@@ -1,0 +1,66 @@
+"""CLI: `python -m train --config configs/<exp>.py [--set key=value ...]`.
+
+Multi-process: pass --coordinator_address host:port --num_processes N --process_id i (or set
+LALTE_COORDINATOR_ADDRESS / LALTE_NUM_PROCESSES / LALTE_PROCESS_ID) on every process.
+Exit codes: 0 done, 2 bad configuration, 3 stopped after too many non-finite-gradient steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# XLA:CPU in jaxlib 0.10.2 can deadlock (every thread idle, block_until_ready never returns) when
+# its XNNPACK fusions run on a small thread pool, as on 2-core machines; seen with the tiny laLTE
+# train step. The flag only affects the CPU backend. Set before JAX creates its backends.
+if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
+                             ).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True, help="experiment file exposing get_config()")
+  parser.add_argument("--set", dest="overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="override a TrainConfig field (repeatable)")
+  parser.add_argument("--coordinator_address", default=None)
+  parser.add_argument("--num_processes", type=int, default=None)
+  parser.add_argument("--process_id", type=int, default=None)
+  args = parser.parse_args(argv)
+
+  from train import sharding  # pylint: disable=import-outside-toplevel
+  from train.config import load_config  # pylint: disable=import-outside-toplevel
+  try:
+    config = load_config(args.config, args.overrides)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  sharding.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+
+  import jax  # pylint: disable=import-outside-toplevel
+  from train.step import TooManySkippedSteps  # pylint: disable=import-outside-toplevel
+  from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  if jax.process_index() == 0:
+    print(f"{config.model_name}: {jax.device_count()} devices on {jax.process_count()}"
+          f" process(es), {config.steps} steps of {config.global_batch_size} x {config.seq_len}"
+          f" tokens, output in {config.run_dir}", flush=True)
+  try:
+    trainer = Trainer(config)
+  except ValueError as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  try:
+    summary = trainer.run()
+  except TooManySkippedSteps as error:
+    trainer.logger.close()
+    print(f"error: {error}", file=sys.stderr)
+    return 3
+  if jax.process_index() == 0 and "eval_recall_accuracy" in summary:
+    print(f"held-out recall accuracy {summary['eval_recall_accuracy']:.3f} on"
+          f" {summary['eval_scored_tokens']} queries", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
