@@ -1,1 +1,1 @@
-"""Training entry points (the full trainer arrives with the pretraining issue)."""
+"""Training: config, optimizer, LTE controller, step, sharding, metrics, trainer and CLI (`python -m train`)."""

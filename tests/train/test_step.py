@@ -45,6 +45,18 @@ def bf16_setup():
   return config, model_config, step, state
 
 
+@pytest.fixture(scope="module")
+def transformer_setup():
+  """A model without LTE layers (cheap to compile): NaN skipping does not depend on the mixer."""
+  config = TrainConfig(variant="transformer", size="tiny", model_dtype="float32",
+                       seq_len=SEQ_LEN, global_batch_size=BATCH, steps=10, warmup_steps=1,
+                       max_consecutive_skips=3)
+  model_config = config.model_config()
+  step = jax.jit(make_train_step(model_graphdef(model_config), model_config, config))
+  state = init_train_state(model_config, config, jax.random.key(0))
+  return config, model_config, step, state
+
+
 def test_tiny_lalte_loss_decreases(bf16_setup):
   config, model_config, step, state = bf16_setup
   batch = _batch(0, model_config.vocab_size)
@@ -63,8 +75,8 @@ def test_tiny_lalte_loss_decreases(bf16_setup):
       3e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * (29 - 2) / 38))), rel=1e-5)
 
 
-def test_nan_batch_is_skipped_bitwise(bf16_setup):
-  config, model_config, step, state = bf16_setup
+def test_nan_batch_is_skipped_bitwise(transformer_setup):
+  config, model_config, step, state = transformer_setup
   good = _batch(1, model_config.vocab_size)
   # An id past the vocabulary: inside jit the embedding gather fills NaN, so loss and gradients
   # are NaN, like a corrupted record or an overflow would make them.
@@ -91,16 +103,17 @@ def test_nan_batch_is_skipped_bitwise(bf16_setup):
   assert not _leaves_equal(state.params, before.params)
 
 
-def test_gradient_accumulation_equals_one_big_batch(bf16_setup):
+def test_gradient_accumulation_equals_one_big_batch():
   """Two micro-batches of 2 rows give the gradients of one batch of 4 (float32, no dropout:
   dropout masks are drawn per micro-batch and would differ). Labels are masked unevenly so the
-  token-weighted CE normalisation matters; lambda > 0 so the sparsity term is exercised."""
-  config = TrainConfig(variant="lalte", size="tiny", model_dtype="float32", seq_len=SEQ_LEN,
+  token-weighted CE normalisation matters; lambda > 0 so the sparsity term is exercised.
+  pure_lte-tiny (LTE layers only) keeps the two compilations cheap."""
+  config = TrainConfig(variant="pure_lte", size="tiny", model_dtype="float32", seq_len=SEQ_LEN,
                        global_batch_size=BATCH, steps=10, warmup_steps=1)
   base = config.model_config()
   model_config = base.replace(lte=dataclasses.replace(base.lte, router_dropout=0.0))
   graphdef = model_graphdef(model_config)
-  state = bf16_setup[3]  # parameters are float32 whatever the compute dtype; reuse the init
+  state = init_train_state(model_config, config, jax.random.key(1))
   state = state.replace(controller=state.controller.replace(
       lambda_LH=jnp.full_like(state.controller.lambda_LH, 0.3)))
   batch = _batch(2, model_config.vocab_size)
@@ -119,3 +132,10 @@ def test_gradient_accumulation_equals_one_big_batch(bf16_setup):
                             jax.tree.leaves(grads_2)):
     np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=0, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_model_without_lte_layers_has_no_sparsity_term(transformer_setup):
+  _, model_config, step, state = transformer_setup
+  state, metrics = step(state, _batch(3, model_config.vocab_size))
+  assert float(metrics["sparsity_loss"]) == 0.0 and np.isfinite(float(metrics["loss"]))
+  assert metrics["lte_lambda"].shape == (0, 0) and int(state.step) == 1
