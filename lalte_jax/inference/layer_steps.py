@@ -36,7 +36,14 @@ class StepContext:
     return self.position + jnp.arange(length, dtype=jnp.int32)[None] - self.pad_count_B[:, None]
 
 
+def _write_prompt(buffer_BSKD: jax.Array, x_BTKD: jax.Array) -> jax.Array:
+  """The prompt's keys or values into the first T slots of a preallocated cache buffer."""
+  return jax.lax.dynamic_update_slice_in_dim(buffer_BSKD, x_BTKD.astype(buffer_BSKD.dtype), 0,
+                                             axis=1)
+
+
 # ------------------------------------------------------------------------------------------ GDN
+
 
 def _conv_with_state(state_BKC: jax.Array, x_BTC: jax.Array, weight_CK: jax.Array
                      ) -> tuple[jax.Array, jax.Array]:
@@ -110,11 +117,8 @@ def attention_prefill(layer, x_BTD, cache, ctx: StepContext):
     cache = KVCache(k_BSKD=_ring_from_prompt(k_BTKD, window).astype(cache.k_BSKD.dtype),
                     v_BSKD=_ring_from_prompt(v_BTKD, window).astype(cache.v_BSKD.dtype))
   else:
-    cache = KVCache(
-        k_BSKD=jax.lax.dynamic_update_slice_in_dim(cache.k_BSKD, k_BTKD.astype(
-            cache.k_BSKD.dtype), 0, axis=1),
-        v_BSKD=jax.lax.dynamic_update_slice_in_dim(cache.v_BSKD, v_BTKD.astype(
-            cache.v_BSKD.dtype), 0, axis=1))
+    cache = KVCache(k_BSKD=_write_prompt(cache.k_BSKD, k_BTKD),
+                    v_BSKD=_write_prompt(cache.v_BSKD, v_BTKD))
   return layer.proj.output(o_BTHD), cache
 
 
@@ -178,11 +182,8 @@ def nsa_prefill(layer, x_BTD, cache: NSACache, ctx: StepContext):
                                implementation=nsa.implementation)
   o_BTHD = _shift_rows(o_front_BTHD, -ctx.pad_count_B)  # back to the left-padded layout
   # Slots past a row's length hold pad keys; each is overwritten before any query can see it.
-  cache = NSACache(
-      k_BSKD=jax.lax.dynamic_update_slice_in_dim(cache.k_BSKD, k_BTKD.astype(
-          cache.k_BSKD.dtype), 0, axis=1),
-      v_BSKD=jax.lax.dynamic_update_slice_in_dim(cache.v_BSKD, v_BTKD.astype(
-          cache.v_BSKD.dtype), 0, axis=1))
+  cache = NSACache(k_BSKD=_write_prompt(cache.k_BSKD, k_BTKD),
+                   v_BSKD=_write_prompt(cache.v_BSKD, v_BTKD))
   return layer.proj.output(o_BTHD), cache
 
 
