@@ -16,6 +16,7 @@ from lalte_jax.inference import eviction as eviction_lib
 from lalte_jax.inference.caches import GDNCache, KVCache, NSACache
 from lalte_jax.inference.nsa_decode import nsa_decode_attention
 from lalte_jax.layers.rope import apply_rope, default_positions
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.gated_delta_rule import (chunk_gated_delta_rule,
                                              fused_recurrent_gated_delta_rule)
 from pallas_kernels.masked_attention import masked_attention
@@ -145,9 +146,9 @@ def attention_decode(layer, x_B1D, cache, ctx: StepContext):
     held_S = jnp.where(slot_S <= ctx.position, slot_S, -1)
   valid_BS = (held_S[None, :] >= ctx.pad_count_B[:, None]) & (held_S[None, :] >= 0)
   # The query is the newest token: every valid slot is in its past (no causal mask needed).
-  o_B1HD = masked_attention(q_B1HD, cache.k_BSKD, cache.v_BSKD, key_valid_BS=valid_BS,
-                            implementation=attn.implementation)
-  return layer.proj.output(o_B1HD), cache
+  o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD, cache.v_BSKD, key_valid=valid_BS,
+                           implementation=attn.implementation)
+  return layer.proj.output(o_BHD[:, None]), cache
 
 
 # ------------------------------------------------------------------------------------------ NSA

@@ -52,8 +52,9 @@ import jax.numpy as jnp
 from lalte_jax.config import LTEConfig
 from lalte_jax.layers.rope import apply_rope, default_positions, derope
 from lalte_jax.mixers.lte import LTEAttention
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 from pallas_kernels.masked_attention import masked_attention
-from pallas_kernels.masked_attention.reference import attention_with_mask
 
 # Score given to a freshly decoded (non-sink) token until the next lazy rescoring: "not kept". It
 # is never read as a decision (§5.4 exactness: the slot is rescored before it leaves the window).
@@ -79,7 +80,8 @@ def init_lte_cache(lte: LTEConfig, batch: int, dtype) -> LTECache:
   sinks. `dtype` is the model's activation dtype (keys and values); scores are float32.
   """
   if lte.num_sinks > lte.window_keys:
-    # Decode-time sink detection counts real tokens through the ring's blanks (see `_insert`).
+    # Decode-time sink detection counts real tokens through the ring's blanks (see
+    # `_evict_and_insert`).
     raise ValueError(f"lte.num_sinks: {lte.num_sinks} sinks exceed the window of"
                      f" {lte.window_keys} keys; the decode cache cannot track them")
   slots = lte.window_keys + lte.cap
@@ -110,35 +112,7 @@ def _select_out_of_window(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.A
   Returns the OOW segment (k, v [B, b, K, D], score [B, b, K] in chronological order, invalid
   entries zero / -inf), past_len [B, K] and kept_BTK (bool [B, T, K], the kept prompt tokens).
   """
-  batch, length, num_kv_heads, _ = k_BTKD.shape
-  take = min(cap, num_candidates)
-  candidate_score_BKN = jnp.transpose(score_BTK[:, :num_candidates], (0, 2, 1))
-  top_score_BKN, top_index_BKN = jax.lax.top_k(candidate_score_BKN, take)
-  keep_BKN = top_score_BKN > 0
-  past_len_BK = jnp.sum(keep_BKN, axis=-1, dtype=jnp.int32)
-
-  # Chronological order with the dropped entries sorted to the end (index n is past every token).
-  order_BKN = jnp.sort(jnp.where(keep_BKN, top_index_BKN, num_candidates), axis=-1)
-  valid_BKN = order_BKN < num_candidates
-  gather_BKN = jnp.minimum(order_BKN, num_candidates - 1)
-
-  def gather(x_BTK_):  # [B, T, K, ...] -> [B, take, K, ...] at gather_BKN
-    x_BKT_ = jnp.moveaxis(x_BTK_, 1, 2)
-    index = gather_BKN.reshape(gather_BKN.shape + (1,) * (x_BKT_.ndim - 3))
-    return jnp.moveaxis(jnp.take_along_axis(x_BKT_, index, axis=2), 2, 1)
-
-  valid_BNK = jnp.transpose(valid_BKN, (0, 2, 1))
-  pad = ((0, 0), (0, cap - take), (0, 0))
-  oow_score = jnp.pad(jnp.where(valid_BNK, gather(score_BTK), -jnp.inf), pad,
-                      constant_values=-jnp.inf)
-  oow_k = jnp.pad(jnp.where(valid_BNK[..., None], gather(k_BTKD), 0), pad + ((0, 0),))
-  oow_v = jnp.pad(jnp.where(valid_BNK[..., None], gather(v_BTKD), 0), pad + ((0, 0),))
-
-  batch_index = jnp.arange(batch)[:, None, None]
-  head_index = jnp.arange(num_kv_heads)[None, :, None]
-  kept_BKT = jnp.zeros((batch, num_kv_heads, length), bool).at[
-      batch_index, head_index, top_index_BKN].set(keep_BKN)
-  return oow_k, oow_v, oow_score, past_len_BK, jnp.transpose(kept_BKT, (0, 2, 1))
+  return compact_top_scores(k_BTKD, v_BTKD, score_BTK, num_candidates=num_candidates, cap=cap)
 
 
 def lte_prefill(layer: LTEAttention, x_BTD: jax.Array, pad_mask_BT: jax.Array | None,
@@ -259,58 +233,39 @@ def lte_rescore_if_due(layer: LTEAttention, cache: LTECache) -> LTECache:
   return jax.lax.cond(due, lambda c: _rescore_ring(layer, c), lambda c: c, cache)
 
 
-def _evict_leaving_token(cache: LTECache, lte: LTEConfig) -> LTECache:
-  """§5.3 step 3 (first half): move the token in ring slot ptr to the OOW set if it qualifies.
+def _evict_and_insert(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,
+                      score_B1K: jax.Array) -> LTECache:
+  """§5.3 step 3: move the ring's oldest token (slot ptr) into the OOW set if it qualifies, write
+  the new token into slot ptr and advance.
 
   Score > 0: append while past_len < b, else replace the OOW minimum when that is smaller than
-  the leaving score (otherwise drop it). Blank slots have score -inf and are dropped.
+  the leaving score (otherwise drop it). Blank slots have score -inf and are dropped. The data
+  movement is the fused `evict_and_insert` op (in place on GPU).
   """
-  window_keys, cap = lte.window_keys, lte.cap
-  leaving_k_BKD = jax.lax.dynamic_index_in_dim(cache.k, cache.ptr, axis=1, keepdims=False)
-  leaving_v_BKD = jax.lax.dynamic_index_in_dim(cache.v, cache.ptr, axis=1, keepdims=False)
-  leaving_score_BK = jax.lax.dynamic_index_in_dim(cache.score, cache.ptr, axis=1, keepdims=False)
-
-  oow_k, oow_v = cache.k[:, window_keys:], cache.v[:, window_keys:]
-  oow_score_BCK = cache.score[:, window_keys:]
-  entry_C = jnp.arange(cap, dtype=jnp.int32)
-  valid_BCK = entry_C[None, :, None] < cache.past_len[:, None, :]
-  # The minimum is looked up only when the set is full, i.e. when every entry is valid.
-  min_index_BK = jnp.argmin(jnp.where(valid_BCK, oow_score_BCK, jnp.inf), axis=1)
-  min_score_BK = jnp.min(jnp.where(valid_BCK, oow_score_BCK, jnp.inf), axis=1)
-
-  has_room_BK = cache.past_len < cap
-  write_BK = (leaving_score_BK > 0) & (has_room_BK | (min_score_BK < leaving_score_BK))
-  target_BK = jnp.where(has_room_BK, cache.past_len, min_index_BK)
-  # A one-hot write per (row, head): each (row, head) targets its own entry.
-  write_BCK = (entry_C[None, :, None] == target_BK[:, None, :]) & write_BK[:, None, :]
-  oow_k = jnp.where(write_BCK[..., None], leaving_k_BKD[:, None], oow_k)
-  oow_v = jnp.where(write_BCK[..., None], leaving_v_BKD[:, None], oow_v)
-  oow_score_BCK = jnp.where(write_BCK, leaving_score_BK[:, None], oow_score_BCK)
-  past_len = cache.past_len + (write_BK & has_room_BK).astype(jnp.int32)
-
-  return cache.replace(
-      k=jnp.concatenate([cache.k[:, :window_keys], oow_k], axis=1),
-      v=jnp.concatenate([cache.v[:, :window_keys], oow_v], axis=1),
-      score=jnp.concatenate([cache.score[:, :window_keys], oow_score_BCK], axis=1),
-      past_len=past_len)
-
-
-def _insert(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,
-            score_B1K: jax.Array) -> LTECache:
-  """§5.3 step 3 (second half): write the new token into ring slot ptr and advance."""
   window_keys = lte.window_keys
   # While blanks remain, every real token seen so far is still in the ring, so the new token's
   # index among the row's real tokens is W - blank (G14 fix: sinks decoded after the prompt).
   real_index_B = window_keys - cache.blank
   sink_B = (cache.blank > 0) & (real_index_B < lte.num_sinks)
-  score_B1K = jnp.where(sink_B[:, None, None], jnp.inf, score_B1K.astype(jnp.float32))
+  score_BK = jnp.where(sink_B[:, None], jnp.inf, score_B1K[:, 0].astype(jnp.float32))
+  k, v, score, past_len = evict_and_insert(
+      cache.k, cache.v, cache.score, cache.past_len, cache.ptr,
+      k_B1KD[:, 0].astype(cache.k.dtype), v_B1KD[:, 0].astype(cache.v.dtype), score_BK,
+      window_keys=window_keys, implementation=lte.implementation)
   return cache.replace(
-      k=jax.lax.dynamic_update_slice_in_dim(cache.k, k_B1KD.astype(cache.k.dtype), cache.ptr, 1),
-      v=jax.lax.dynamic_update_slice_in_dim(cache.v, v_B1KD.astype(cache.v.dtype), cache.ptr, 1),
-      score=jax.lax.dynamic_update_slice_in_dim(cache.score, score_B1K, cache.ptr, 1),
+      k=k, v=v, score=score, past_len=past_len,
       blank=jnp.maximum(cache.blank - 1, 0),
       ptr=(cache.ptr + 1) % window_keys,
       position=cache.position + 1)
+
+
+def _ring_valid_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
+  """bool [B, W + b]: ring slots except the blanks [ptr, ptr + blank) (mod W); OOW slots True."""
+  window_keys = lte.window_keys
+  slot_S = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
+  # Distance from ptr around the ring: the blanks are the first `blank` slots from ptr.
+  from_ptr_S = jnp.mod(slot_S - cache.ptr, window_keys)
+  return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= cache.blank[:, None])
 
 
 def cache_valid_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
@@ -318,15 +273,9 @@ def cache_valid_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
 
   Ring slots except the blanks [ptr, ptr + blank) (mod W), plus OOW slots [W, W + past_len).
   """
-  window_keys = lte.window_keys
   slot_S = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
-  in_ring_S = slot_S < window_keys
-  # Distance from ptr around the ring: the blanks are the first `blank` slots from ptr.
-  from_ptr_S = jnp.mod(slot_S - cache.ptr, window_keys)
-  ring_valid_BS = in_ring_S[None, :] & (from_ptr_S[None, :] >= cache.blank[:, None])
-  oow_valid_BSK = (~in_ring_S)[None, :, None] & (
-      (slot_S - window_keys)[None, :, None] < cache.past_len[:, None, :])
-  return ring_valid_BS[:, :, None] | oow_valid_BSK
+  below_length_BSK = slot_S[None, :, None] < (lte.window_keys + cache.past_len)[:, None, :]
+  return _ring_valid_slots(cache, lte)[:, :, None] & below_length_BSK
 
 
 def lte_decode_step(layer: LTEAttention, x_B1D: jax.Array, cache: LTECache
@@ -349,17 +298,18 @@ def lte_decode_step(layer: LTEAttention, x_B1D: jax.Array, cache: LTECache
   k_B1KD = apply_rope(k_pre_B1KD, positions_B1, lte.rope_theta)
 
   cache = lte_rescore_if_due(layer, cache)
-  cache = _evict_leaving_token(cache, lte)
   if lte.router_margin == 0:
     # A context-free router's score is final at once; no lazy trigger would ever fire (§7.3).
     new_score_B1K = layer.router(k_pre_B1KD, v_B1KD)
   else:
     new_score_B1K = jnp.full((batch, 1, lte.num_kv_heads), PROVISIONAL_SCORE, jnp.float32)
-  cache = _insert(cache, lte, k_B1KD, v_B1KD, new_score_B1K)
+  cache = _evict_and_insert(cache, lte, k_B1KD, v_B1KD, new_score_B1K)
 
   # The new token is in the ring now, so the window is keys t-w..t; everything cached is in the
-  # past, so no causal mask is needed.
-  valid_BSK = cache_valid_slots(cache, lte)
-  mask_BKTS = jnp.transpose(valid_BSK, (0, 2, 1))[:, :, None, :]
-  o_B1HD = attention_with_mask(q_B1HD, cache.k, cache.v, mask_BKTS, scale=lte.head_dim ** -0.5)
-  return layer.proj.output(o_B1HD.astype(q_B1HD.dtype)), cache
+  # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below
+  # W + past_len (the `cache_valid_slots` set, split so the kernel skips unfilled OOW slots).
+  o_BHD = decode_attention(
+      q_B1HD[:, 0], cache.k, cache.v, scale=lte.head_dim ** -0.5,
+      length_BK=lte.window_keys + cache.past_len, key_valid=_ring_valid_slots(cache, lte),
+      implementation=lte.implementation)
+  return layer.proj.output(o_BHD[:, None].astype(q_B1HD.dtype)), cache

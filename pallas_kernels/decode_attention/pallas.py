@@ -1,0 +1,200 @@
+"""Decode attention in Pallas (Triton backend): split-K flash-decoding over the cache slots.
+
+Grid (B, Hkv, splits): one program reads one contiguous range of slots of one KV head once, for
+all G = Hq / Hkv query heads of that head together (rows padded to 16 for tl.dot), so K and V
+are read from memory exactly once per step: the op is bandwidth-bound and that is the point. With
+one split the program normalises and writes the output itself; with several, each writes its
+unnormalised partial output and softmax statistics (float32) and a small XLA step combines them.
+
+Visibility follows `reference`: slot n < length[b, h] and key_valid[b, (h,) n]. Loads of slots
+that are not visible are masked, so invisible slots may hold anything (NaN included) and slots
+past a row's length cost no memory traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# pallas.triton.dot since JAX 0.10 (pallas.dot is deprecated there); older versions: pallas.dot.
+_dot = getattr(plgpu, "dot", None) or pl.dot
+# Triton's tl.dot needs >= 16 along every dimension.
+MIN_DOT_DIM = 16
+# Running max before any visible slot: finite, so exp(m_old - m_new) stays 1 instead of NaN while
+# a program has seen only masked slots, and exp(-inf - m) = 0 for the masked scores.
+EMPTY_MAX = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+  """Tiling of the slot axis. num_splits None: enough programs to fill the GPU (see `splits`)."""
+  # Defaults from the sweep in docs/benchmarks.md (H200, B32): 64 slots and 3 stages were the best
+  # or within noise of it at both model shapes; 512 programs gave 2 splits at 1.4b (Hkv 8) and 1 at
+  # 0.4b (Hkv 16), the best split counts measured there.
+  block_slots: int = 64
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 3
+  target_programs: int = 512  # ~4 resident programs on each of H100/H200's 132 SMs
+
+  def __post_init__(self):
+    if self.block_slots < MIN_DOT_DIM or self.block_slots & (self.block_slots - 1):
+      raise ValueError(f"DecodeBlockSizes.block_slots must be a power of two >= {MIN_DOT_DIM},"
+                       f" got {self.block_slots}")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"DecodeBlockSizes.num_splits must be >= 1 or None, got {self.num_splits}")
+    for name in ("num_warps", "num_stages", "target_programs"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"DecodeBlockSizes.{name} must be >= 1, got {getattr(self, name)}")
+
+  def splits(self, batch: int, num_kv_heads: int, num_slots: int) -> int:
+    blocks = pl.cdiv(num_slots, self.block_slots)
+    if self.num_splits is not None:
+      return min(self.num_splits, blocks)
+    return max(1, min(blocks, pl.cdiv(self.target_programs, batch * num_kv_heads)))
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  """Triton compiler parameters under the class name of this JAX version."""
+  params_class = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+  return params_class(num_warps=num_warps, num_stages=num_stages)
+
+
+def _is_pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+def _check_supported(q_BHD, k_BNKD, v_BNKD):
+  head_dim, value_dim = k_BNKD.shape[-1], v_BNKD.shape[-1]
+  for name, dim in (("head dim", head_dim), ("value dim", value_dim)):
+    if not _is_pow2(dim) or dim < MIN_DOT_DIM:
+      raise NotImplementedError(
+          f"decode_attention[pallas]: {name} {dim} must be a power of two >= {MIN_DOT_DIM}"
+          " (Triton block shapes and tl.dot)")
+  if q_BHD.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise NotImplementedError(
+        f"decode_attention[pallas]: dtype {q_BHD.dtype} is not supported (bf16, f16, f32)")
+
+
+def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, block_slots,
+                   blocks_per_split, scale, final, precision):
+  if has_valid:
+    q_ref, k_ref, v_ref, length_ref, valid_ref, *out_refs = refs
+  else:
+    (q_ref, k_ref, v_ref, length_ref, *out_refs), valid_ref = refs, None
+  row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
+
+  # The G query heads of this KV head are consecutive: rows [kv_head * G, kv_head * G + G).
+  first_head = kv_head * group
+  row_ok_G = jnp.arange(group_pad) < group
+  q_GD = plgpu.load(q_ref.at[row, pl.ds(first_head, group_pad), :],
+                    mask=jnp.broadcast_to(row_ok_G[:, None], (group_pad, head_dim)), other=0.0)
+  length = length_ref[row, kv_head]
+
+  def body(i, carry):
+    max_G, sum_G, acc_GV = carry
+    start = (split * blocks_per_split + i) * block_slots
+    slot_N = start + jnp.arange(block_slots)
+    visible_N = slot_N < length
+    if has_valid:
+      index = (row, kv_head) if valid_per_head else (row,)
+      flag_N = plgpu.load(valid_ref.at[index + (pl.ds(start, block_slots),)], mask=visible_N,
+                          other=0)
+      visible_N = visible_N & (flag_N != 0)
+    k_ND = plgpu.load(k_ref.at[row, pl.ds(start, block_slots), kv_head, :],
+                      mask=jnp.broadcast_to(visible_N[:, None], (block_slots, head_dim)),
+                      other=0.0)
+    scores_GN = _dot(q_GD, k_ND, trans_b=True, precision=precision) * scale
+    scores_GN = jnp.where(visible_N[None, :], scores_GN, -jnp.inf)
+    new_max_G = jnp.maximum(max_G, jnp.max(scores_GN, axis=1))
+    rescale_G = jnp.exp(max_G - new_max_G)
+    probs_GN = jnp.exp(scores_GN - new_max_G[:, None])
+    sum_G = sum_G * rescale_G + jnp.sum(probs_GN, axis=1)
+    v_NV = plgpu.load(v_ref.at[row, pl.ds(start, block_slots), kv_head, :],
+                      mask=jnp.broadcast_to(visible_N[:, None], (block_slots, value_dim)),
+                      other=0.0)
+    acc_GV = acc_GV * rescale_G[:, None] + _dot(probs_GN.astype(v_NV.dtype), v_NV,
+                                                precision=precision)
+    return new_max_G, sum_G, acc_GV
+
+  init = (jnp.full((group_pad,), EMPTY_MAX, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
+          jnp.zeros((group_pad, value_dim), jnp.float32))
+  max_G, sum_G, acc_GV = jax.lax.fori_loop(0, blocks_per_split, body, init)
+
+  out_mask_GV = jnp.broadcast_to(row_ok_G[:, None], (group_pad, value_dim))
+  if final:
+    (o_ref,) = out_refs
+    out_GV = acc_GV / jnp.where(sum_G > 0, sum_G, 1.0)[:, None]
+    plgpu.store(o_ref.at[row, pl.ds(first_head, group_pad), :], out_GV.astype(o_ref.dtype),
+                mask=out_mask_GV)
+  else:
+    o_ref, max_ref, sum_ref = out_refs
+    plgpu.store(o_ref.at[row, split, pl.ds(first_head, group_pad), :], acc_GV, mask=out_mask_GV)
+    plgpu.store(max_ref.at[row, split, pl.ds(first_head, group_pad)], max_G, mask=row_ok_G)
+    plgpu.store(sum_ref.at[row, split, pl.ds(first_head, group_pad)], sum_G, mask=row_ok_G)
+
+
+def _combine(out_BSHV, max_BSH, sum_BSH, dtype):
+  """Merges the splits' partial softmaxes: weights exp(m_s - max_s m_s)."""
+  total_max_BH = jnp.max(max_BSH, axis=1)
+  weight_BSH = jnp.exp(max_BSH - total_max_BH[:, None])
+  total_sum_BH = jnp.sum(weight_BSH * sum_BSH, axis=1)
+  out_BHV = jnp.sum(weight_BSH[..., None] * out_BSHV, axis=1)
+  return (out_BHV / jnp.where(total_sum_BH > 0, total_sum_BH, 1.0)[..., None]).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_sizes"))
+def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key_valid=None,
+                     block_sizes: DecodeBlockSizes = DecodeBlockSizes()):
+  """Same contract as `reference.decode_attention`; interpret mode off GPU."""
+  _check_supported(q_BHD, k_BNKD, v_BNKD)
+  batch, num_q_heads, _ = q_BHD.shape
+  _, num_slots, num_kv_heads, _ = k_BNKD.shape
+  value_dim = v_BNKD.shape[-1]
+  group = num_q_heads // num_kv_heads
+  group_pad = max(MIN_DOT_DIM, pl.next_power_of_2(group))
+  splits = block_sizes.splits(batch, num_kv_heads, num_slots)
+  blocks_per_split = pl.cdiv(pl.cdiv(num_slots, block_sizes.block_slots), splits)
+
+  # Clamping to N makes `slot < length` the only bounds check the kernel needs.
+  if length_BK is None:
+    length_BK = jnp.full((batch, num_kv_heads), num_slots, jnp.int32)
+  length_BK = jnp.clip(length_BK.astype(jnp.int32), 0, num_slots)
+  operands = [q_BHD, k_BNKD, v_BNKD, length_BK]
+  if key_valid is not None:
+    operands.append(key_valid.astype(jnp.int8))  # Triton loads bytes, not i1
+
+  if q_BHD.dtype == jnp.float32:
+    precision = jax.lax.Precision.HIGHEST  # no TF32: float32 callers get float32 accuracy
+  else:
+    precision = None
+  final = splits == 1
+  if final:
+    out_shape = jax.ShapeDtypeStruct((batch, num_q_heads, value_dim), q_BHD.dtype)
+  else:
+    out_shape = (jax.ShapeDtypeStruct((batch, splits, num_q_heads, value_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32))
+  kernel = functools.partial(
+      _decode_kernel, has_valid=key_valid is not None,
+      valid_per_head=key_valid is not None and key_valid.ndim == 3, group=group,
+      group_pad=group_pad, block_slots=block_sizes.block_slots,
+      blocks_per_split=blocks_per_split, scale=float(scale), final=final, precision=precision)
+  result = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(batch, num_kv_heads, splits),
+      compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
+      interpret=jax.default_backend() != "gpu",
+      name="decode_attention",
+  )(*operands)
+  if final:
+    return result
+  return _combine(*result, q_BHD.dtype)

@@ -1,0 +1,86 @@
+"""LTE cache data movement: prefill compaction and the fused decode evict/insert step.
+
+Public entries: `compact_top_scores` (REFERENCE_SPEC §5.2 step 5) and `evict_and_insert` (§5.3
+step 3). See `reference` for the exact definitions; pallas_kernels never sees the cache dataclass,
+only its arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels.dispatch import Implementation, resolve
+from pallas_kernels.lte_cache_ops import pallas, reference
+
+__all__ = ["compact_top_scores", "evict_and_insert"]
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates", "cap", "implementation"))
+def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Array, *,
+                       num_candidates: int, cap: int, implementation: Implementation = None):
+  """Per (row, KV head): the top-min(cap, n) of the first n tokens by score, kept if > 0.
+
+  Args:
+    k_BTKD, v_BTKD: [B, T, K, D] the prompt's keys (after RoPE) and values.
+    score_BTK: [B, T, K] scores (float32; sinks +inf, padding -inf).
+    num_candidates: n, 1 <= n <= T: tokens [0, n) are out of the window.
+    cap: b >= 1, the OOW capacity.
+    implementation: only "xla" exists (a once-per-prompt top-k; see docs/benchmarks.md).
+
+  Returns:
+    oow_k, oow_v [B, cap, K, D], oow_score [B, cap, K] float32 in position order (invalid
+    entries zero / -inf), past_len [B, K] int32, kept_BTK bool [B, T, K].
+  """
+  batch, length, num_kv_heads = score_BTK.shape
+  if k_BTKD.shape[:3] != (batch, length, num_kv_heads) or v_BTKD.shape[:3] != k_BTKD.shape[:3]:
+    raise ValueError(f"compact_top_scores: k_BTKD {k_BTKD.shape}, v_BTKD {v_BTKD.shape} and"
+                     f" score_BTK {score_BTK.shape} must agree on [B, T, K]")
+  if not 1 <= num_candidates <= length:
+    raise ValueError(f"compact_top_scores: num_candidates must be in [1, T={length}], got"
+                     f" {num_candidates}")
+  if cap < 1:
+    raise ValueError(f"compact_top_scores: cap must be >= 1, got {cap}")
+  version = resolve("compact_top_scores", implementation, {"xla": reference.compact_top_scores})
+  return version(k_BTKD, v_BTKD, score_BTK, num_candidates, cap)
+
+
+@functools.partial(jax.jit, static_argnames=("window_keys", "implementation"))
+def evict_and_insert(k_BSKD: jax.Array, v_BSKD: jax.Array, score_BSK: jax.Array,
+                     past_len_BK: jax.Array, ptr: jax.Array, new_k_BKD: jax.Array,
+                     new_v_BKD: jax.Array, new_score_BK: jax.Array, *, window_keys: int,
+                     implementation: Implementation = None):
+  """One decode step's cache movement: evict ring slot `ptr` into the OOW set, insert the new token.
+
+  Args:
+    k_BSKD, v_BSKD: [B, W + b, K, D] the cache (ring [0, W), OOW set [W, W + b)).
+    score_BSK: [B, W + b, K] float32 scores.
+    past_len_BK: [B, K] int32 valid OOW entries.
+    ptr: [] int32 ring slot of the leaving token, where the new token goes.
+    new_k_BKD, new_v_BKD: [B, K, D] the new token; new_score_BK: [B, K] its score.
+    window_keys: W.
+    implementation: "xla" or "pallas" (in place through buffer aliasing).
+
+  Returns:
+    (k, v, score, past_len) after the step; same shapes and dtypes.
+  """
+  batch, slots, num_kv_heads, _ = k_BSKD.shape
+  if not 0 < window_keys < slots:
+    raise ValueError(f"evict_and_insert: window_keys must be in (0, {slots}), got {window_keys}")
+  if v_BSKD.shape[:3] != k_BSKD.shape[:3] or score_BSK.shape != k_BSKD.shape[:3]:
+    raise ValueError(f"evict_and_insert: v_BSKD {v_BSKD.shape} and score_BSK {score_BSK.shape}"
+                     f" must match k_BSKD {k_BSKD.shape} on [B, S, K]")
+  if past_len_BK.shape != (batch, num_kv_heads):
+    raise ValueError(f"evict_and_insert: past_len_BK must be [B, K] = {(batch, num_kv_heads)},"
+                     f" got {past_len_BK.shape}")
+  if (new_k_BKD.shape != (batch, num_kv_heads, k_BSKD.shape[-1])
+      or new_v_BKD.shape != (batch, num_kv_heads, v_BSKD.shape[-1])
+      or new_score_BK.shape != (batch, num_kv_heads)):
+    raise ValueError(f"evict_and_insert: new_k_BKD {new_k_BKD.shape}, new_v_BKD"
+                     f" {new_v_BKD.shape}, new_score_BK {new_score_BK.shape} must be [B, K, D] /"
+                     " [B, K] for the cache's B and K")
+  version = resolve("evict_and_insert", implementation,
+                    {"xla": reference.evict_and_insert, "pallas": pallas.evict_and_insert})
+  return version(k_BSKD, v_BSKD, score_BSK, past_len_BK, ptr, new_k_BKD, new_v_BKD,
+                 new_score_BK, window_keys=window_keys)

@@ -1,0 +1,130 @@
+"""decode_attention: the reference against a per-query loop over the visible slots, and the
+Pallas split-K kernel (interpret mode on CPU, compiled on GPU) against the reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
+from tests.kernel_testing import assert_close, float64
+
+
+def _inputs(seed, *, batch=2, num_slots=45, num_q_heads=4, num_kv_heads=2, head_dim=16,
+            per_head_mask=False):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, num_q_heads, head_dim))
+  k = rng.standard_normal((batch, num_slots, num_kv_heads, head_dim))
+  v = rng.standard_normal((batch, num_slots, num_kv_heads, head_dim))
+  length = rng.integers(num_slots // 2, num_slots + 1, (batch, num_kv_heads)).astype(np.int32)
+  length[-1, 0] = 0  # a (row, head) that sees nothing: zeros
+  mask_shape = (batch, num_kv_heads, num_slots) if per_head_mask else (batch, num_slots)
+  valid = rng.random(mask_shape) < 0.7
+  return q, k, v, length, valid
+
+
+def _visible(length, valid, num_slots):
+  visible = np.arange(num_slots)[None, None, :] < length[:, :, None]
+  return visible & (valid[:, None, :] if valid.ndim == 2 else valid)
+
+
+def _brute_force(q, k, v, length, valid, scale):
+  batch, num_q_heads, _ = q.shape
+  num_slots, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_q_heads // num_kv_heads
+  visible = _visible(length, valid, num_slots)
+  out = np.zeros(q.shape[:2] + v.shape[-1:])
+  for b in range(batch):
+    for h in range(num_q_heads):
+      slots = np.flatnonzero(visible[b, h // group])
+      if slots.size == 0:
+        continue
+      scores = scale * k[b, slots, h // group] @ q[b, h]
+      weights = np.exp(scores - scores.max())
+      out[b, h] = weights @ v[b, slots, h // group] / weights.sum()
+  return out
+
+
+def _poison_invisible(k, v, length, valid):
+  """NaN in every slot no query may read: a kernel that reads one fails the finiteness check."""
+  hidden = ~_visible(length, valid, k.shape[1])  # [B, K, N]
+  hidden_BNK = np.transpose(hidden, (0, 2, 1))[..., None]
+  return np.where(hidden_BNK, np.nan, k), np.where(hidden_BNK, np.nan, v)
+
+
+@pytest.mark.parametrize("per_head_mask", [False, True])
+def test_reference_matches_brute_force(per_head_mask):
+  q, k, v, length, valid = _inputs(0, per_head_mask=per_head_mask)
+  with float64():
+    out = decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3,
+                           length_BK=jnp.asarray(length), key_valid=jnp.asarray(valid),
+                           implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), _brute_force(q, k, v, length, valid, 0.3),
+                               rtol=1e-10, atol=1e-10)
+
+
+def _check_pallas(seed, dtype, block_sizes, **shape):
+  q, k, v, length, valid = _inputs(seed, **shape)
+  cast = lambda x: jnp.asarray(x, dtype)
+  # The float64 reference sees the same `dtype`-rounded inputs as the kernel.
+  rounded = [np.asarray(cast(x)).astype(np.float64) for x in (q, k, v)]
+  with float64():
+    expected = np.asarray(decode_attention(
+        *(jnp.asarray(x) for x in rounded), length_BK=jnp.asarray(length),
+        key_valid=jnp.asarray(valid), implementation="xla"))
+  k_poisoned, v_poisoned = _poison_invisible(k, v, length, valid)
+  out = decode_attention(cast(q), cast(k_poisoned), cast(v_poisoned), length_BK=jnp.asarray(length),
+                         key_valid=jnp.asarray(valid), implementation="pallas",
+                         block_sizes=block_sizes)
+  assert out.dtype == dtype and out.shape == q.shape
+  assert_close(out, expected, dtype)
+  empty_heads = out[-1, :q.shape[1] // k.shape[2]]  # KV head 0 of the last row has length 0
+  assert np.all(np.asarray(empty_heads, np.float32) == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_pallas_matches_reference(dtype, num_splits):
+  # 45 slots: neither a multiple of the 16-slot block nor of the split.
+  _check_pallas(1, dtype, DecodeBlockSizes(block_slots=16, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,per_head_mask", [(2, 2, True), (8, 1, False)])
+def test_pallas_gqa_groups_and_per_head_masks(num_q_heads, num_kv_heads, per_head_mask):
+  _check_pallas(2, jnp.float32, DecodeBlockSizes(block_slots=16, num_splits=None),
+                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, per_head_mask=per_head_mask,
+                num_slots=37)
+
+
+def test_pallas_without_lengths_or_mask_reads_every_slot():
+  q, k, v, _, _ = _inputs(3)
+  args = (jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+  expected = decode_attention(*args, implementation="xla")
+  out = decode_attention(*args, implementation="pallas",
+                         block_sizes=DecodeBlockSizes(block_slots=32, num_splits=1))
+  assert_close(out, expected, jnp.float32)
+
+
+def test_arguments_are_checked():
+  q, k, v, length, valid = (jnp.asarray(x) for x in _inputs(4))
+  with pytest.raises(ValueError, match="length_BK"):
+    decode_attention(q, k, v, length_BK=length[:, :1])
+  with pytest.raises(ValueError, match="key_valid"):
+    decode_attention(q, k, v, key_valid=valid.astype(jnp.int32))
+  with pytest.raises(ValueError, match="multiple of KV"):
+    decode_attention(q[:, :3], k, v)
+  with pytest.raises(NotImplementedError, match="power of two"):
+    decode_attention(q[..., :12], k[..., :12], v[..., :12], implementation="pallas")
+  with pytest.raises(ValueError, match="block_slots"):
+    DecodeBlockSizes(block_slots=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (16, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_kernel_at_model_shapes(num_q_heads, num_kv_heads, dtype):
+  # The LTE cache of the 1.4b / 0.4b presets: 769 ring + 512 compacted slots, D 64.
+  _check_pallas(5, dtype, DecodeBlockSizes(), batch=4, num_slots=1281, num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads, head_dim=64)

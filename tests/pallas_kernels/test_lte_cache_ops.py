@@ -1,0 +1,145 @@
+"""LTE cache ops: references against per-(row, head) loops over the §5.2 / §5.3 rules, the Pallas
+evict/insert step (interpret mode on CPU) against its reference, and the LTE layer decoding with
+the Pallas kernels routed in against the XLA path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
+
+WINDOW, CAP = 5, 6
+
+
+def _cache(seed, *, batch=3, heads=2, head_dim=16, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  slots = WINDOW + CAP
+  k = rng.standard_normal((batch, slots, heads, head_dim))
+  v = rng.standard_normal((batch, slots, heads, head_dim))
+  # Quantised scores make ties between the leaving token and the OOW minimum likely.
+  score = np.round(rng.standard_normal((batch, slots, heads)), 1)
+  score[rng.random(score.shape) < 0.1] = np.inf  # sinks
+  score[rng.random(score.shape) < 0.1] = -np.inf  # blanks
+  past_len = rng.integers(0, CAP + 1, (batch, heads)).astype(np.int32)
+  past_len[0] = CAP  # full sets: the replace-the-minimum branch
+  new_k = rng.standard_normal((batch, heads, head_dim))
+  new_score = rng.standard_normal((batch, heads))
+  cast = lambda x: jnp.asarray(x, dtype)
+  return (cast(k), cast(v), jnp.asarray(score, jnp.float32), jnp.asarray(past_len),
+          cast(new_k), cast(2 * new_k), jnp.asarray(new_score, jnp.float32))
+
+
+def _evict_brute_force(k, v, score, past_len, ptr, new_k, new_v, new_score):
+  k, v, score, past_len = (np.array(x) for x in (k, v, score, past_len))
+  for b in range(k.shape[0]):
+    for h in range(k.shape[2]):
+      leaving = score[b, ptr, h]
+      if leaving > 0:
+        if past_len[b, h] < CAP:
+          target = WINDOW + past_len[b, h]
+          past_len[b, h] += 1
+        else:
+          oow = score[b, WINDOW:WINDOW + CAP, h]
+          target = WINDOW + int(np.argmin(oow)) if oow.min() < leaving else None
+        if target is not None:
+          k[b, target, h], v[b, target, h], score[b, target, h] = (
+              k[b, ptr, h], v[b, ptr, h], leaving)
+      k[b, ptr, h], v[b, ptr, h], score[b, ptr, h] = new_k[b, h], new_v[b, h], new_score[b, h]
+  return k, v, score, past_len
+
+
+@pytest.mark.parametrize("ptr", [0, 3])
+def test_evict_reference_matches_brute_force(ptr):
+  args = _cache(ptr)
+  got = evict_and_insert(*args[:4], jnp.int32(ptr), *args[4:], window_keys=WINDOW,
+                         implementation="xla")
+  for actual, expected in zip(got, _evict_brute_force(*args[:4], ptr, *args[4:])):
+    np.testing.assert_array_equal(np.asarray(actual), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_evict_matches_reference_bit_for_bit(dtype):
+  step = {name: jax.jit(lambda *a, name=name: evict_and_insert(
+      *a, window_keys=WINDOW, implementation=name)) for name in ("xla", "pallas")}
+  for seed in range(4):  # ptr is traced: one compile, several cache states
+    args = _cache(10 + seed, dtype=dtype)
+    ptr = jnp.int32(seed % WINDOW)
+    expected = step["xla"](*args[:4], ptr, *args[4:])
+    actual = step["pallas"](*args[:4], ptr, *args[4:])
+    for name, a, e in zip(("k", "v", "score", "past_len"), actual, expected):
+      assert a.dtype == e.dtype and a.shape == e.shape, name
+      np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64),
+                                    err_msg=name)
+
+
+def test_compaction_reference_matches_brute_force():
+  rng = np.random.default_rng(20)
+  batch, length, heads, head_dim, candidates = 2, 30, 2, 4, 21
+  score = np.round(rng.standard_normal((batch, length, heads)), 1)  # ties
+  score[:, :2] = np.inf  # sinks
+  score[1, :5] = -np.inf  # left padding
+  k = rng.standard_normal((batch, length, heads, head_dim))
+  v = rng.standard_normal((batch, length, heads, head_dim))
+  for cap in (4, 25):  # binding cap, and a cap above the number of candidates
+    oow_k, oow_v, oow_score, past_len, kept = compact_top_scores(
+        jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), jnp.asarray(score, jnp.float32),
+        num_candidates=candidates, cap=cap)
+    for b in range(batch):
+      for h in range(heads):
+        # Stable sort by descending score: ties go to the earlier token (lax.top_k's order).
+        ranked = sorted(range(candidates), key=lambda j: -score[b, j, h])[:min(cap, candidates)]
+        chosen = sorted(j for j in ranked if score[b, j, h] > 0)
+        n = len(chosen)
+        assert past_len[b, h] == n
+        np.testing.assert_array_equal(np.flatnonzero(kept[b, :, h]), chosen)
+        np.testing.assert_allclose(oow_k[b, :n, h], k[b, chosen, h], rtol=1e-6)
+        np.testing.assert_allclose(oow_v[b, :n, h], v[b, chosen, h], rtol=1e-6)
+        np.testing.assert_array_equal(oow_score[b, :n, h], score[b, chosen, h].astype(np.float32))
+        assert np.all(oow_score[b, n:, h] == -np.inf) and np.all(oow_k[b, n:, h] == 0)
+
+
+@pytest.mark.slow
+def test_lte_decode_with_pallas_kernels_matches_xla():
+  # Imported here: the kernels' own tests do not depend on the model package.
+  from lalte_jax.config import get_model_config
+  from lalte_jax.inference.lte_cache import init_lte_cache, lte_decode_step, lte_prefill
+  from lalte_jax.mixers.lte import LTEAttention
+
+  config = get_model_config("lalte-tiny").replace(dtype="float32")
+  layers = {name: LTEAttention(config.replace(lte=dataclasses.replace(
+      config.lte, implementation=name)), rngs=nnx.Rngs(3)) for name in ("xla", "pallas")}
+  lte = config.lte
+  # The prompt overflows the window (OOW set at prefill); decoding fills the cap and rescores.
+  prompt_len, decode_len = 32, 3 * lte.window_keys
+  x = jax.random.normal(jax.random.key(4), (2, prompt_len + decode_len, config.hidden_size))
+  pad_mask = jnp.arange(prompt_len)[None] >= jnp.asarray([0, 9])[:, None]  # row 1 left-padded
+
+  def run(layer):
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def go(state, x):
+      layer = nnx.merge(graphdef, state)
+      _, cache = lte_prefill(layers["xla"], x[:, :prompt_len], pad_mask,
+                             init_lte_cache(lte, x.shape[0], x.dtype))
+
+      def step(cache, x_BD):
+        out_B1D, cache = lte_decode_step(layer, x_BD[:, None], cache)
+        return cache, out_B1D[:, 0]
+      return jax.lax.scan(step, cache, jnp.swapaxes(x[:, prompt_len:], 0, 1))
+    return go(state, x)
+
+  xla_cache, xla_out = run(layers["xla"])
+  pallas_cache, pallas_out = run(layers["pallas"])
+  assert int(xla_cache.past_len.min()) > 0
+  np.testing.assert_allclose(np.asarray(pallas_out), np.asarray(xla_out), rtol=1e-5,
+                             atol=1e-5 * float(jnp.abs(xla_out).max()))
+  for name in ("k", "v", "score", "past_len", "blank", "ptr", "position"):
+    np.testing.assert_array_equal(np.asarray(getattr(pallas_cache, name)),
+                                  np.asarray(getattr(xla_cache, name)), err_msg=name)

@@ -1,0 +1,186 @@
+"""Decode attention and the fused LTE cache step: bandwidth against a copy measured in the same run.
+
+    python tools/bench_decode_attention.py                  # B32, lalte-1.4b and lalte-0.4b shapes
+    python tools/bench_decode_attention.py --sweep --json out.json
+
+Decode attention is bandwidth-bound (each step reads the whole K/V cache once), so it is judged
+against the copy bandwidth of this GPU, measured here with a jitted `x + 1` over a 1 GiB bf16 array
+(bytes read + written). For each preset, one query per (row, query head) attends over the LTE
+cache: W = w + 1 ring slots + b compacted slots, all valid (full ring, full OOW set: the most
+bytes), bf16, through `decode_attention` with the ring-blank mask and per-(row, head) lengths that
+`lte_decode_step` passes. GB/s = bytes of K + V + q + o / time; the ratio is to the copy GB/s.
+
+Timing: `--sets` independent caches (more bytes than L2 holds, so every call reads HBM) are
+attended one after another inside one jitted function; time per call = median over `--repeats`
+of the wall time / sets, after warm-up (jax.block_until_ready + time.perf_counter). The fused LTE
+cache step (`evict_and_insert`) is timed as 32 steps in one jitted loop over a donated cache
+with a full OOW set, XLA vs Pallas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from lalte_jax.config import get_model_config
+from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
+from pallas_kernels.lte_cache_ops import evict_and_insert
+
+
+def median_seconds(fn, args, repeats: int, warmup: int = 3) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def copy_bandwidth(repeats: int) -> float:
+  """GB/s of a jitted elementwise copy (read + write) of a 1 GiB bf16 array."""
+  x = jnp.ones((512, 1024, 1024), jnp.bfloat16)
+  copy = jax.jit(lambda x: x + 1)  # `x + 0` could be simplified away by XLA
+  seconds = median_seconds(copy, (x,), repeats)
+  return 2 * x.size * x.dtype.itemsize / seconds / 1e9
+
+
+def lte_shapes(preset: str):
+  lte = get_model_config(preset).lte
+  return lte.num_heads, lte.num_kv_heads, lte.head_dim, lte.window_keys, lte.cap
+
+
+def attention_case(preset: str, batch: int, sets: int, key):
+  num_q_heads, num_kv_heads, head_dim, window, cap = lte_shapes(preset)
+  slots = window + cap
+  keys = jax.random.split(key, 3 * sets)
+  qs = [jax.random.normal(keys[i], (batch, num_q_heads, head_dim), jnp.bfloat16)
+        for i in range(sets)]
+  ks = [jax.random.normal(keys[sets + i], (batch, slots, num_kv_heads, head_dim), jnp.bfloat16)
+        for i in range(sets)]
+  vs = [jax.random.normal(keys[2 * sets + i], (batch, slots, num_kv_heads, head_dim),
+                          jnp.bfloat16) for i in range(sets)]
+  length = jnp.full((batch, num_kv_heads), slots, jnp.int32)  # full OOW set
+  valid = jnp.ones((batch, slots), bool)  # full ring, no blanks
+  moved = sum(x.size * x.dtype.itemsize for x in (qs[0], ks[0], vs[0], qs[0]))
+  return (qs, ks, vs, length, valid), moved
+
+
+def time_attention(inputs, implementation, block_sizes, repeats):
+  qs, ks, vs, length, valid = inputs
+
+  @jax.jit
+  def run_all(qs, ks, vs, length, valid):
+    return [decode_attention(q, k, v, length_BK=length, key_valid=valid,
+                             implementation=implementation, block_sizes=block_sizes)
+            for q, k, v in zip(qs, ks, vs)]
+  return median_seconds(run_all, (qs, ks, vs, length, valid), repeats) / len(qs)
+
+
+def check_parity(inputs, window):
+  """Relative error of Pallas vs XLA with a half-full OOW set and blanks in the ring."""
+  qs, ks, vs, length, valid = inputs
+  slots = ks[0].shape[1]
+  half_length = (window + slots) // 2 + jnp.arange(length.shape[1])[None]
+  blanks = (jnp.arange(slots)[None] >= window // 8) | (jnp.arange(slots)[None] >= window)
+  valid = valid & blanks
+  results = [decode_attention(qs[0], ks[0], vs[0], length_BK=half_length + 0 * length,
+                              key_valid=valid, implementation=name).astype(jnp.float32)
+             for name in ("xla", "pallas")]
+  return float(jnp.max(jnp.abs(results[1] - results[0])) / jnp.max(jnp.abs(results[0])))
+
+
+def time_cache_step(preset, batch, implementation, repeats, steps_per_call=32):
+  num_q_heads, num_kv_heads, head_dim, window, cap = lte_shapes(preset)
+  del num_q_heads
+  slots = window + cap
+  key = jax.random.key(1)
+  k = jax.random.normal(key, (batch, slots, num_kv_heads, head_dim), jnp.bfloat16)
+  v = jnp.ones_like(k)
+  score = jax.random.uniform(key, (batch, slots, num_kv_heads), jnp.float32, -0.5, 0.5)
+  past_len = jnp.full((batch, num_kv_heads), cap, jnp.int32)  # full set: the minimum search
+  new_k = jnp.ones((batch, num_kv_heads, head_dim), jnp.bfloat16)
+  new_score = jnp.full((batch, num_kv_heads), 0.3, jnp.float32)
+
+  def steps(k, v, score, past_len, ptr):
+    def body(_, state):
+      k, v, score, past_len, ptr = state
+      k, v, score, past_len = evict_and_insert(
+          k, v, score, past_len, ptr, new_k, new_k, new_score, window_keys=window,
+          implementation=implementation)
+      return k, v, score, past_len, (ptr + 1) % window
+    return jax.lax.fori_loop(0, steps_per_call, body, (k, v, score, past_len, ptr))
+  # Donated: the cache is updated in place, as in a decode loop.
+  steps = jax.jit(steps, donate_argnums=(0, 1, 2, 3))
+  state = (k, v, score, past_len, jnp.int32(0))
+  for _ in range(3):
+    state = jax.block_until_ready(steps(*state))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    state = jax.block_until_ready(steps(*state))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) / steps_per_call
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--presets", nargs="+", default=["lalte-1.4b", "lalte-0.4b"])
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--sets", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=30)
+  parser.add_argument("--sweep", action="store_true", help="also time other block sizes")
+  parser.add_argument("--json", default=None, help="write all numbers here")
+  args = parser.parse_args(argv)
+
+  device = jax.devices()[0].device_kind
+  copy_gbs = copy_bandwidth(args.repeats)
+  print(f"device {device}; copy bandwidth (x + 1, 1 GiB bf16): {copy_gbs:.0f} GB/s")
+  configs = [None]
+  if args.sweep:
+    configs += [DecodeBlockSizes(block_slots=n, num_splits=s, num_stages=st)
+                for n in (64, 128) for s in (1, 2, 4) for st in (2, 3)]
+  results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": []}
+  header = ("| cache | pallas config | us/call | GB/s | / copy | xla us/call | rel err vs xla |\n"
+            "|---|---|---|---|---|---|---|")
+  print(header)
+  rows = []
+  for preset in args.presets:
+    inputs, moved = attention_case(preset, args.batch, args.sets, jax.random.key(0))
+    error = check_parity(inputs, lte_shapes(preset)[3])
+    xla_s = time_attention(inputs, "xla", None, args.repeats)
+    for block_sizes in configs:
+      seconds = time_attention(inputs, "pallas", block_sizes, args.repeats)
+      gbs = moved / seconds / 1e9
+      label = "default" if block_sizes is None else (
+          f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}")
+      results["attention"].append(dict(preset=preset, config=label, us=seconds * 1e6,
+                                       GBps=gbs, ratio=gbs / copy_gbs, xla_us=xla_s * 1e6,
+                                       parity_rel_err=error, bytes=moved))
+      rows.append(f"| {preset} B{args.batch} | {label} | {seconds * 1e6:.1f} | {gbs:.0f} |"
+                  f" {gbs / copy_gbs:.2f} | {xla_s * 1e6:.1f} | {error:.1e} |")
+      print(rows[-1], flush=True)
+    for implementation in ("xla", "pallas"):
+      seconds = time_cache_step(preset, args.batch, implementation, args.repeats)
+      results["cache_step"].append(dict(preset=preset, implementation=implementation,
+                                        us=seconds * 1e6))
+      print(f"{preset} evict_and_insert B{args.batch} {implementation}: {seconds * 1e6:.1f} us"
+            " per step (32 steps per jitted call, cache donated)")
+  print(header)
+  print("\n".join(rows))
+  print("command: python " + " ".join(sys.argv))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
