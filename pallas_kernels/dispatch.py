@@ -1,7 +1,8 @@
 """Choosing an op's implementation: one rule shared by every op folder.
 
 `implementation=None` picks the fastest version registered for the current platform and falls back
-to "xla" (the jnp reference lowered by XLA). Naming a version that the op does not have raises
+to "xla" (the jnp reference lowered by XLA); on GPU, a version that raises NotImplementedError for
+the given inputs (a head dim it does not tile, say) hands them to the next one in preference order. Naming a version that the op does not have raises
 `NotImplementedError`; a name that no op knows raises `ValueError`.
 """
 
@@ -28,11 +29,10 @@ def on_gpu() -> bool:
 def resolve(op_name: str, implementation: Implementation, versions: Mapping[str, F]) -> F:
   """Returns the version of `op_name` that `implementation` names (see module doc)."""
   if implementation is None:
-    if on_gpu():
-      for name in GPU_PREFERENCE:
-        if name in versions:
-          return versions[name]
-    return versions["xla"]
+    if not on_gpu():
+      return versions["xla"]
+    candidates = [versions[name] for name in GPU_PREFERENCE if name in versions]
+    return candidates[0] if len(candidates) == 1 else _first_that_handles(op_name, candidates)
   if implementation not in KNOWN_IMPLEMENTATIONS:
     raise ValueError(
         f"{op_name}: implementation={implementation!r} is unknown; expected one of"
@@ -42,3 +42,17 @@ def resolve(op_name: str, implementation: Implementation, versions: Mapping[str,
         f"{op_name}: implementation={implementation!r} does not exist yet; available:"
         f" {sorted(versions)}")
   return versions[implementation]
+
+
+def _first_that_handles(op_name: str, candidates: list[F]) -> F:
+  """Calls the candidates in order until one accepts the inputs. Versions refuse inputs with
+  NotImplementedError while tracing, before any work is launched, so trying the next is free."""
+  def call(*args, **kwargs):
+    reasons = []
+    for version in candidates:
+      try:
+        return version(*args, **kwargs)
+      except NotImplementedError as error:
+        reasons.append(str(error))
+    raise NotImplementedError(f"{op_name}: no version handles these inputs: {reasons}")
+  return call  # type: ignore[return-value]
