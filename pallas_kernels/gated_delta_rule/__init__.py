@@ -17,6 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dispatch import Implementation, resolve
+from pallas_kernels.gated_delta_rule.pallas import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta_rule.pallas_recurrent import (
+    RecurrentConfig,
+    fused_recurrent_gated_delta_rule_pallas,
+)
+from pallas_kernels.gated_delta_rule.pallas_state_pass import StatePassConfig
 from pallas_kernels.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     naive_recurrent_gated_delta_rule,
@@ -24,6 +30,8 @@ from pallas_kernels.gated_delta_rule.reference import (
 
 __all__ = [
     "ChunkConfig",
+    "RecurrentConfig",
+    "StatePassConfig",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
 ]
@@ -33,14 +41,22 @@ __all__ = [
 class ChunkConfig:
   """Block sizes of the chunked form.
 
-  chunk_size: tokens per chunk; any positive size is exact (T is padded to a multiple of it).
+  chunk_size: tokens per chunk; any positive size is exact (T is padded to a multiple of it) for
+    "xla"; "pallas" needs a power of two >= 16.
+  state_pass: launch parameters of the Pallas chunk-scan kernels ("pallas" only); None picks
+    them by head size (`pallas_state_pass.default_state_config`).
   """
   chunk_size: int = 64
+  state_pass: StatePassConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) \
         or self.chunk_size < 1:
       raise ValueError(f"ChunkConfig.chunk_size must be a positive int, got {self.chunk_size!r}")
+    if self.state_pass is not None and not isinstance(self.state_pass, StatePassConfig):
+      raise ValueError(
+          "ChunkConfig.state_pass must be a StatePassConfig or None, got"
+          f" {type(self.state_pass).__name__}")
 
 
 def _validate(op_name, q, k, v, g, beta, initial_state) -> None:
@@ -87,6 +103,14 @@ def _chunk_xla(q, k, v, g, beta, *, scale, initial_state, output_final_state, us
       chunk_size=config.chunk_size)
 
 
+def _chunk_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm,
+                  config: ChunkConfig):
+  return chunk_gated_delta_rule_pallas(
+      q, k, v, g, beta, scale=scale, initial_state=initial_state,
+      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+      chunk_size=config.chunk_size, state_config=config.state_pass)
+
+
 def chunk_gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -121,7 +145,8 @@ def chunk_gated_delta_rule(
     initial_state.
   """
   _validate("chunk_gated_delta_rule", q, k, v, g, beta, initial_state)
-  version = resolve("chunk_gated_delta_rule", implementation, {"xla": _chunk_xla})
+  version = resolve("chunk_gated_delta_rule", implementation,
+                    {"xla": _chunk_xla, "pallas": _chunk_pallas})
   return version(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
@@ -149,7 +174,8 @@ def fused_recurrent_gated_delta_rule(
   _validate("fused_recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)
   version = resolve(
       "fused_recurrent_gated_delta_rule", implementation,
-      {"xla": naive_recurrent_gated_delta_rule})
+      {"xla": naive_recurrent_gated_delta_rule,
+       "pallas": fused_recurrent_gated_delta_rule_pallas})
   return version(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)

@@ -44,24 +44,35 @@ def l2_normalize(x_BTHD: jax.Array) -> jax.Array:
   return x_BTHD * jax.lax.rsqrt(sum_sq_BTH1 + L2NORM_EPS)
 
 
-def unit_lower_inverse(a_NCC: jax.Array) -> jax.Array:
-  """(I + A)^{-1} for strictly lower-triangular A [..., C, C], by doubling.
+SUBSTITUTION_BLOCK = 16  # blocks up to this size are inverted row by row
 
-  A is nilpotent (A^C = 0), so (I + A)^{-1} = sum_{m<C} (-A)^m = prod_i (I + (-A)^(2^i)) with
-  ceil(log2 C) factors: only matmuls, exact in exact arithmetic.
-  Why not `lax.linalg.triangular_solve`: on jaxlib 0.10.2's CPU backend the compile of its
-  gradient nested in the model's layer scan (>= 3 layers) deadlocks; batched matmuls also suit the
-  GPU better than a solve.
+
+def unit_lower_inverse(a_NCC: jax.Array) -> jax.Array:
+  """(I + A)^{-1} for strictly lower-triangular A [..., C, C], any C.
+
+  Blockwise: diagonal blocks of <= 16 rows by forward substitution, then merged pairwise,
+      [[X11, 0], [-X22 A21 X11, X22]] inverts [[I + A11, 0], [A21, I + A22]],
+  so every intermediate is a principal block of the true inverse. Not by the power series
+  sum_m (-A)^m (doubling): its partial powers grow combinatorially when a chunk's keys are
+  correlated, as trained keys are, and overflow or cancel to NaN in float32.
+  Not `lax.linalg.triangular_solve`: on jaxlib 0.10.2's CPU backend the compile of its gradient
+  nested in the model's layer scan was seen to hang; matmuls also suit the GPU better.
   """
   size = a_NCC.shape[-1]
-  power_NCC = -a_NCC
-  inverse_NCC = jnp.eye(size, dtype=a_NCC.dtype) + power_NCC
-  covered = 2  # inverse_NCC holds the sum of (-A)^m for m < covered
-  while covered < size:
-    power_NCC = _einsum("...ij,...jk->...ik", power_NCC, power_NCC)
-    inverse_NCC = inverse_NCC + _einsum("...ij,...jk->...ik", inverse_NCC, power_NCC)
-    covered *= 2
-  return inverse_NCC
+  if size <= SUBSTITUTION_BLOCK:
+    eye_CC = jnp.eye(size, dtype=a_NCC.dtype)
+    rows = [jnp.broadcast_to(eye_CC[0], a_NCC.shape[:-2] + (size,))]
+    for i in range(1, size):
+      earlier_NIC = jnp.stack(rows, axis=-2)
+      rows.append(eye_CC[i] - _einsum("...j,...jk->...k", a_NCC[..., i, :i], earlier_NIC))
+    return jnp.stack(rows, axis=-2)
+  half = size // 2
+  x11 = unit_lower_inverse(a_NCC[..., :half, :half])
+  x22 = unit_lower_inverse(a_NCC[..., half:, half:])
+  x21 = -_einsum("...ij,...jk->...ik", x22,
+                 _einsum("...ij,...jk->...ik", a_NCC[..., half:, :half], x11))
+  top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + (size - half,), a_NCC.dtype)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
 
 
 def _prepare_inputs(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):

@@ -7,10 +7,12 @@ it (see `reference` for the exact set definition).
 from __future__ import annotations
 
 import functools
+
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.dispatch import Implementation, resolve
-from pallas_kernels.masked_attention import reference
+from pallas_kernels.masked_attention import pallas, reference
 from pallas_kernels.masked_attention.reference import attention_mask
 
 __all__ = ["masked_attention", "attention_mask"]
@@ -60,6 +62,30 @@ def _check_arguments(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, k
       raise ValueError(f"masked_attention: key_valid_BS must be bool, got {key_valid_BS.dtype}")
 
 
+def _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS) -> bool:
+  """Plain causal or SWA training attention in bf16/f16 that cuDNN's fused kernel covers.
+
+  On one H200 (B8 T4096 Hq32 Hkv8 D64 bf16, docs/benchmarks.md "Attention kernels") cuDNN's
+  fwd+bwd beat ours by 1.06-1.23x (SWA-1024) and 1.46x (causal), so `implementation=None` sends
+  these cases to it; sinks, kept keys, key padding and T < S stay on the Pallas kernels.
+  """
+  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return (
+      jax.default_backend() == "gpu"
+      and jnp.dtype(q_BTHD.dtype) in half
+      and q_BTHD.dtype == k_BSKD.dtype == v_BSKD.dtype
+      and q_BTHD.shape[-1] in (64, 128) and v_BSKD.shape[-1] == q_BTHD.shape[-1]
+      and q_BTHD.shape[1] == k_BSKD.shape[1]
+      and key_valid_BS is None
+      and (window_size is None or (num_sinks == 0 and kept_BSK is None)))
+
+
+def _cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, scale, window_size):
+  return jax.nn.dot_product_attention(
+      q_BTHD, k_BSKD, v_BSKD, scale=scale, is_causal=True, implementation="cudnn",
+      local_window_size=None if window_size is None else (window_size - 1, 0))
+
+
 # Jitted so that eager callers (tests, notebooks) compile once per shape, not once per op; under an
 # outer jit this is free. Validation runs at trace time.
 @functools.partial(jax.jit, static_argnames=("scale", "window_size", "num_sinks", "implementation"))
@@ -89,14 +115,26 @@ def masked_attention(
     kept_BSK: bool [B, S, Hkv]; kept keys stay visible outside the window (LTE's selected set),
       still only causally.
     key_valid_BS: bool [B, S]; False keys (left padding) are never visible.
-    implementation: see `pallas_kernels.dispatch.resolve`; only "xla" exists.
+    implementation: see `pallas_kernels.dispatch.resolve`: "xla" (dense reference) or "pallas"
+      (tiled kernels that visit only the window tiles and the kept keys; the GPU default). With
+      None on GPU, plain causal/SWA attention in bf16/f16 goes to cuDNN (measured faster, see
+      `_cudnn_handles`) and inputs the Pallas version cannot handle (`pallas.check_supported`)
+      use "xla".
 
   Returns:
     [B, T, Hq, Dv] in q's dtype; a query with no visible key gets zeros. Softmax statistics are
     float32 (float64 for float64 inputs).
   """
   _check_arguments(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS)
-  version = resolve("masked_attention", implementation, {"xla": reference.masked_attention})
+  version = resolve("masked_attention", implementation,
+                    {"xla": reference.masked_attention, "pallas": pallas.masked_attention})
+  if implementation is None and version is pallas.masked_attention:
+    if _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS):
+      return _cudnn_attention(q_BTHD, k_BSKD, v_BSKD, scale=scale, window_size=window_size)
+    try:
+      pallas.check_supported(q_BTHD, k_BSKD, v_BSKD, interpret=False)
+    except NotImplementedError:
+      version = reference.masked_attention
   return version(
       q_BTHD, k_BSKD, v_BSKD, scale=scale, window_size=window_size, num_sinks=num_sinks,
       kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)

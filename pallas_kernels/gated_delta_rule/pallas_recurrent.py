@@ -1,0 +1,133 @@
+"""`implementation="pallas"` of `fused_recurrent_gated_delta_rule`: the token-by-token recurrence
+as one Pallas (Triton backend) kernel, for decoding.
+
+Each program of the grid (B, H, V-blocks) holds its [K, block_v] slice of the float32 state on chip
+and steps through the T tokens:  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
+XLA's version runs one scan step (several small kernels) per token; here a decoding step (T = 1) is
+a single launch. Gradients (rarely needed for decoding) come from the float32 reference recurrence
+through a custom_vjp, so they are exact rather than unavailable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gated_delta_rule.pallas import next_power_of_two
+from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
+from pallas_kernels.gated_delta_rule.reference import (
+    _prepare_inputs,
+    compute_dtype,
+    naive_recurrent_gated_delta_rule,
+)
+
+__all__ = ["RecurrentConfig", "fused_recurrent_gated_delta_rule_pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+  """block_v: state columns per program; num_warps, num_stages: Triton launch parameters."""
+  block_v: int = 32
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    for name in ("block_v", "num_warps", "num_stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"RecurrentConfig.{name} must be a positive int, got {value!r}")
+    if self.block_v < 16 or self.block_v & (self.block_v - 1):
+      raise ValueError(f"RecurrentConfig.block_v must be a power of two >= 16, got {self.block_v}")
+
+
+def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, h_final_ref, *,
+                      seq_len):
+  def step(t, h_KV):
+    token = pl.ds(t, 1)
+    q_1K = q_ref[token, :]
+    k_K1 = k_ref[token, :].T
+    h_KV = jnp.exp(g_ref[t]) * h_KV
+    predicted_1V = jnp.sum(k_K1 * h_KV, axis=0, keepdims=True)
+    update_1V = beta_ref[t] * (v_ref[token, :] - predicted_1V)
+    h_KV = h_KV + k_K1 * update_1V
+    o_ref[token, :] = jnp.sum(q_1K.T * h_KV, axis=0, keepdims=True).astype(o_ref.dtype)
+    return h_KV
+
+  h_final_ref[...] = jax.lax.fori_loop(0, seq_len, step, h0_ref[...])
+
+
+def _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
+  q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV = _prepare_inputs(
+      q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
+  batch, seq_len, heads, key_dim = q_BTHK.shape
+  value_dim = v_BTHV.shape[-1]
+  padded_k = next_power_of_two(key_dim)
+  padded_v = next_power_of_two(value_dim)
+  block_v = min(config.block_v, padded_v)
+  pad_last = lambda x, width: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+  q_BTHK = pad_last(q_BTHK, padded_k)
+  k_BTHK = pad_last(k_BTHK, padded_k)
+  v_BTHV = pad_last(v_BTHV, padded_v)
+  state_BHKV = jnp.pad(state_BHKV, [(0, 0), (0, 0), (0, padded_k - key_dim),
+                                    (0, padded_v - value_dim)])
+  token_spec = lambda width, index: pl.BlockSpec((None, seq_len, None, width), index)
+  gate_spec = pl.BlockSpec((None, None, seq_len), lambda b, h, j: (b, h, 0))
+  state_spec = pl.BlockSpec((None, None, padded_k, block_v), lambda b, h, j: (b, h, 0, j))
+  o_BTHV, final_state_BHKV = pl.pallas_call(
+      functools.partial(_recurrent_kernel, seq_len=seq_len),
+      grid=(batch, heads, padded_v // block_v),
+      in_specs=[token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),
+                token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),
+                token_spec(block_v, lambda b, h, j: (b, 0, h, j)),
+                gate_spec, gate_spec, state_spec],
+      out_specs=[token_spec(block_v, lambda b, h, j: (b, 0, h, j)), state_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, padded_v), v.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, padded_k, padded_v), jnp.float32)],
+      compiler_params=triton_compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret(),
+      name="gdn_fused_recurrent",
+  )(q_BTHK, k_BTHK, v_BTHV, jnp.transpose(g_BTH, (0, 2, 1)), jnp.transpose(beta_BTH, (0, 2, 1)),
+    state_BHKV)
+  return o_BTHV[..., :value_dim], final_state_BHKV[:, :, :key_dim, :value_dim]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _fused_recurrent(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
+  return _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
+
+
+def _fused_recurrent_fwd(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
+  outputs = _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
+  return outputs, (q, k, v, g, beta, initial_state)
+
+
+def _fused_recurrent_bwd(scale, use_qk_l2norm, config, residuals, cotangents):
+  del config
+  reference = lambda *args: naive_recurrent_gated_delta_rule(
+      *args[:5], scale=scale, initial_state=args[5], output_final_state=True,
+      use_qk_l2norm=use_qk_l2norm)
+  _, vjp = jax.vjp(reference, *residuals)
+  return vjp(cotangents)
+
+
+_fused_recurrent.defvjp(_fused_recurrent_fwd, _fused_recurrent_bwd)
+
+
+def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_state,
+                                            output_final_state, use_qk_l2norm,
+                                            config: RecurrentConfig | None = None):
+  """Same contract as `fused_recurrent_gated_delta_rule` (inputs validated there)."""
+  dtype = compute_dtype(q, k, v, g, beta, initial_state)
+  if dtype != jnp.float32:
+    raise NotImplementedError(
+        f"fused_recurrent_gated_delta_rule(implementation='pallas'): compute dtype {dtype}; the"
+        " Triton kernel computes in float32 (use implementation='xla')")
+  if initial_state is None:
+    initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+  o, final_state = _fused_recurrent(q, k, v, g, beta, initial_state, scale, use_qk_l2norm,
+                                    RecurrentConfig() if config is None else config)
+  return o, (final_state if output_final_state else None)

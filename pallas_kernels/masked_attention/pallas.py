@@ -1,0 +1,132 @@
+"""Masked attention in Pallas (Triton backend): one kernel family for full causal attention, SWA,
+sinks, LTE training (window + kept keys) and LTE prefill (window + kept keys + left padding).
+
+XLA pads T and S to the tile sizes and builds the sorted kept list (sinks + kept keys); the
+kernels (pallas_forward, pallas_backward) visit the window tiles plus only the list entries that
+are outside each query's window. Gradients wrt q, k, v come from a custom VJP (dq kernel, dk/dv
+window and kept-list kernels); the kept list's dk/dv reach k/v through the gather's own gradient.
+On CPU the kernels run in Pallas interpret mode (for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.masked_attention import compaction
+from pallas_kernels.masked_attention.pallas_backward import (
+    backward_dkdv_kept, backward_dkdv_window)
+from pallas_kernels.masked_attention.pallas_forward import backward_dq, forward
+from pallas_kernels.masked_attention.tiling import BlockSizes, Problem
+
+DEFAULT_BLOCK_SIZES = BlockSizes()
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
+  o, _ = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
+  return o
+
+
+def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
+  o, lse = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
+  return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, o, lse)
+
+
+def _attention_core_bwd(problem, blocks, residuals, do):
+  q, k, v, key_valid, kept, counts_fwd, counts_dq, o, lse = residuals
+  # delta_i = sum_d o_id do_id = sum_j p_ij dp_ij: the softmax-gradient row term.
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  do = do.astype(q.dtype)
+  dq = backward_dq(problem, blocks, q, k, v, do, lse, delta, key_valid, kept, counts_dq)
+  dk, dv = backward_dkdv_window(problem, blocks, q, k, v, do, lse, delta, key_valid)
+  d_kept = None
+  if kept is not None:
+    dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept)
+    d_kept = compaction.KeptList(None, dk_kept.astype(kept.k_BCKD.dtype),
+                                 dv_kept.astype(kept.v_BCKD.dtype))
+  return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, d_kept, None, None)
+
+
+_attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
+
+
+def check_supported(q_BTHD, k_BSKD, v_BSKD, *, interpret: bool) -> None:
+  """Raises NotImplementedError for inputs this version cannot handle (callers may fall back)."""
+  head_dim = q_BTHD.shape[-1]
+  if v_BSKD.shape[-1] != head_dim:
+    raise NotImplementedError(
+        f"masked_attention[pallas]: value head dim {v_BSKD.shape[-1]} != key head dim {head_dim}")
+  if head_dim < 16 or head_dim & (head_dim - 1):
+    raise NotImplementedError(
+        f"masked_attention[pallas]: head dim {head_dim} must be a power of two >= 16 (Triton)")
+  if not interpret and jnp.dtype(q_BTHD.dtype) not in (
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"masked_attention[pallas]: dtype {q_BTHD.dtype} on GPU")
+  if not (q_BTHD.dtype == k_BSKD.dtype == v_BSKD.dtype):
+    raise NotImplementedError(
+        f"masked_attention[pallas]: q/k/v dtypes differ ({q_BTHD.dtype}, {k_BSKD.dtype},"
+        f" {v_BSKD.dtype})")
+
+
+def masked_attention(
+    q_BTHD: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    *,
+    scale: float | None = None,
+    window_size: int | None = None,
+    num_sinks: int = 0,
+    kept_BSK: jax.Array | None = None,
+    key_valid_BS: jax.Array | None = None,
+    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """Same contract as `reference.masked_attention`; differentiable wrt q, k, v.
+
+  interpret: None -> Pallas interpret mode unless the default backend is a GPU.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  check_supported(q_BTHD, k_BSKD, v_BSKD, interpret=interpret)
+  batch, query_len, num_q_heads, head_dim = q_BTHD.shape
+  key_len, num_kv_heads = k_BSKD.shape[1], k_BSKD.shape[2]
+  if scale is None:
+    scale = head_dim**-0.5
+  if window_size is not None and window_size >= key_len and not num_sinks and kept_BSK is None:
+    window_size = None  # the window covers every key: plain causal attention
+  has_kept_list = window_size is not None and (num_sinks > 0 or kept_BSK is not None)
+  padded_query_len = _round_up(query_len, block_sizes.query_multiple)
+  padded_key_len = _round_up(key_len, block_sizes.key_multiple)
+  problem = Problem(
+      query_len=query_len, key_len=key_len, padded_query_len=padded_query_len,
+      padded_key_len=padded_key_len, head_dim=head_dim, num_q_heads=num_q_heads,
+      num_kv_heads=num_kv_heads, window_size=window_size, has_kept_list=has_kept_list,
+      has_key_valid=key_valid_BS is not None, scale=float(scale), interpret=interpret)
+
+  # Padding rows/keys are zeros: padded keys are masked by position, and padded query rows get a
+  # zero output gradient, so they add nothing to dk/dv.
+  q = jnp.pad(q_BTHD, ((0, 0), (0, padded_query_len - query_len), (0, 0), (0, 0)))
+  key_pad = ((0, 0), (0, padded_key_len - key_len), (0, 0), (0, 0))
+  k, v = jnp.pad(k_BSKD, key_pad), jnp.pad(v_BSKD, key_pad)
+  key_valid = None
+  if key_valid_BS is not None:
+    key_valid = jnp.pad(key_valid_BS.astype(jnp.int32), ((0, 0), (0, padded_key_len - key_len)))
+  kept = counts_fwd = counts_dq = None
+  if has_kept_list:
+    kept = compaction.build_kept_list(
+        k_BSKD, v_BSKD, num_sinks=num_sinks, kept_BSK=kept_BSK, key_valid_BS=key_valid_BS,
+        capacity=padded_key_len)
+    counts_fwd, counts_dq = (
+        compaction.entries_per_query_tile(
+            kept.positions_BKC, block_q=block_q, num_q_tiles=padded_query_len // block_q,
+            query_offset=key_len - query_len, window_size=window_size)
+        for block_q in (block_sizes.block_q, block_sizes.block_q_dq))
+  o = _attention_core(problem, block_sizes, q, k, v, key_valid, kept, counts_fwd, counts_dq)
+  return o[:, :query_len]

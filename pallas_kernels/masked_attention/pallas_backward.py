@@ -1,0 +1,177 @@
+"""Key-tile-major Pallas kernels of masked attention: dk and dv.
+
+Window kernel: one program per (key tile, batch, KV head); for each of the KV head's G query heads
+it loops over the query tiles that see the tile through their window (masked edge, unmasked
+interior, masked edge), so the G heads' contributions add up in registers.
+Kept-list kernel: one program per (list tile, batch, KV head); it loops over every query tile late
+enough for the tile's oldest entry to be outside its window, counting a (query, entry) pair only
+when the entry is outside that query's window (the complement of the window kernel's pairs).
+The list's dk/dv reach k/v through the gradient of the XLA gather that built the list.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.masked_attention.pallas_forward import (
+    LOG2_E, compiler_params, dot_nt, dot_tn)
+from pallas_kernels.masked_attention.tiling import (
+    BlockSizes, Problem, kept_mask, query_tiles_of_key_tile, window_mask)
+
+
+def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head, carry, q_tile,
+                mask_fn):
+  """Adds one query tile's contribution to (dk, dv) of the resident keys."""
+  dk, dv = carry
+  q_slice = pl.ds(q_tile * block_q, block_q)
+  q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
+  lse, delta = lse_ref[head, q_slice], delta_ref[head, q_slice]
+  s = dot_nt(q, k) * (problem.scale * LOG2_E)
+  if mask_fn is not None:
+    query_pos = problem.query_offset + q_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    s = jnp.where(mask_fn(query_pos), s, -jnp.inf)
+  p = jnp.exp2(s - lse[:, None])
+  dv = dv + dot_tn(p.astype(do.dtype), do)
+  ds = p * (dot_nt(do, v) - delta[:, None])
+  dk = dk + dot_tn(ds.astype(q.dtype), q)
+  return dk, dv
+
+
+def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+  key_valid_ref = refs[6] if problem.has_key_valid else None
+  dk_ref, dv_ref = refs[-2:]
+  k_start = pl.program_id(0) * block_k
+  k, v = k_ref[...], v_ref[...]
+  key_pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
+  key_valid = None if key_valid_ref is None else key_valid_ref[...]
+  first, interior_start, interior_end, end = query_tiles_of_key_tile(
+      problem, k_start, block_q, block_k)
+  mask_fn = lambda query_pos: window_mask(problem, query_pos, key_pos, key_valid)
+
+  carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  for head in range(problem.group):  # static: the G query heads of this KV head
+    step = functools.partial(_accumulate, problem, block_q, k, v, q_ref, do_ref, lse_ref,
+                             delta_ref, head)
+    carry = lax.fori_loop(first, interior_start, lambda t, c: step(c, t, mask_fn), carry)
+    carry = lax.fori_loop(interior_start, interior_end, lambda t, c: step(c, t, None), carry)
+    carry = lax.fori_loop(interior_end, end, lambda t, c: step(c, t, mask_fn), carry)
+  dk, dv = carry
+  dk_ref[...] = dk * problem.scale
+  dv_ref[...] = dv
+
+
+def _dkdv_kept_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, pos_ref, *refs,
+                      problem: Problem, block_q: int, block_k: int, query_tiles_per_program: int):
+  k, v, entry_pos = k_ref[...], v_ref[...], pos_ref[...]
+  num_q_tiles = problem.padded_query_len // block_q
+  # Sorted list: the first entry is the oldest, so it is the first to leave the windows. Padding
+  # entries have a huge position, which gives an empty loop.
+  first_row = jnp.maximum(jnp.min(entry_pos) + problem.window_size - problem.query_offset, 0)
+  first = jnp.minimum(first_row // block_q, num_q_tiles)
+  end = num_q_tiles
+  if query_tiles_per_program:  # this program covers one chunk of the query tiles
+    chunk = pl.program_id(0) % pl.cdiv(num_q_tiles, query_tiles_per_program)
+    first = jnp.maximum(first, chunk * query_tiles_per_program)
+    end = jnp.minimum(end, (chunk + 1) * query_tiles_per_program)
+  mask_fn = lambda query_pos: kept_mask(problem, query_pos, entry_pos)
+  carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  for head in range(problem.group):
+    step = functools.partial(_accumulate, problem, block_q, k, v, q_ref, do_ref, lse_ref,
+                             delta_ref, head)
+    carry = lax.fori_loop(first, end, lambda t, c: step(c, t, mask_fn), carry)
+  dk, dv = carry
+  if not query_tiles_per_program:
+    dk_ref, dv_ref = refs
+    dk_ref[...] = dk * problem.scale
+    dv_ref[...] = dv
+    return
+  # Several programs add into the same entries: atomics into zero-initialised buffers, skipped
+  # by the (many) programs that had nothing to add.
+  _, _, dk_ref, dv_ref = refs
+  entry_slice = (pl.ds((pl.program_id(0) // pl.cdiv(num_q_tiles, query_tiles_per_program))
+                       * block_k, block_k), slice(None))
+
+  @pl.when(end > first)
+  def _():
+    pltriton.atomic_add(dk_ref, entry_slice, dk * problem.scale)
+    pltriton.atomic_add(dv_ref, entry_slice, dv)
+
+
+def _per_kv_head_specs(problem: Problem):
+  """Specs of q, do (all G heads of the KV head, all rows) and lse, delta; grid (tile, b, hkv)."""
+  group, head_dim = problem.group, problem.head_dim
+  rows = pl.BlockSpec((None, problem.padded_query_len, group, head_dim),
+                      lambda j, b, h: (b, 0, h, 0))
+  stats = pl.BlockSpec((None, group, problem.padded_query_len), lambda j, b, h: (b, h, 0))
+  return rows, stats
+
+
+def backward_dkdv_window(problem: Problem, blocks: BlockSizes, q, k, v, do, lse, delta,
+                         key_valid):
+  """float32 (dk, dv) [B, Sp, Hkv, D] from the window (and causal) pairs."""
+  batch = q.shape[0]
+  block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
+  rows, stats = _per_kv_head_specs(problem)
+  key_tile = pl.BlockSpec((None, block_k, None, problem.head_dim), lambda j, b, h: (b, j, h, 0))
+  in_specs = [rows, key_tile, key_tile, rows, stats, stats]
+  inputs = [q, k, v, do, lse, delta]
+  if key_valid is not None:
+    in_specs.append(pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)))
+    inputs.append(key_valid)
+  out_shape = jax.ShapeDtypeStruct(k.shape, jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_dkdv_window_kernel, problem=problem, block_q=block_q, block_k=block_k),
+      grid=(problem.padded_key_len // block_k, batch, problem.num_kv_heads),
+      in_specs=in_specs,
+      out_specs=[key_tile, key_tile],
+      out_shape=[out_shape, out_shape],
+      compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+      interpret=problem.interpret,
+      name="masked_attention_dkdv_window",
+  )(*inputs)
+
+
+def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, kept):
+  """float32 (dk, dv) [B, C, Hkv, D] of the kept-list entries, from out-of-window pairs only.
+
+  With blocks.kept_query_tiles_per_program = n > 0, each entry tile is split over programs of n
+  query tiles each (more parallelism for few, long-lived entries; float32 atomics); 0 gives one
+  program per entry tile.
+  """
+  batch = q.shape[0]
+  block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
+  capacity = kept.positions_BKC.shape[-1]
+  per_program = blocks.kept_query_tiles_per_program
+  chunks = pl.cdiv(problem.padded_query_len // block_q, per_program) if per_program else 1
+  rows, stats = _per_kv_head_specs(problem)
+  entry_tile = pl.BlockSpec((None, block_k, None, problem.head_dim),
+                            lambda j, b, h: (b, j // chunks, h, 0))
+  pos_tile = pl.BlockSpec((None, None, block_k), lambda j, b, h: (b, h, j // chunks))
+  out_shape = jax.ShapeDtypeStruct(kept.k_BCKD.shape, jnp.float32)
+  in_specs = [rows, rows, stats, stats, entry_tile, entry_tile, pos_tile]
+  inputs = [q, do, lse, delta, kept.k_BCKD, kept.v_BCKD, kept.positions_BKC]
+  out_specs, aliases = [entry_tile, entry_tile], {}
+  if per_program:
+    whole = pl.BlockSpec((None, capacity, None, problem.head_dim), lambda j, b, h: (b, 0, h, 0))
+    in_specs += [whole, whole]
+    inputs += [jnp.zeros(out_shape.shape, jnp.float32)] * 2
+    out_specs, aliases = [whole, whole], {len(inputs) - 2: 0, len(inputs) - 1: 1}
+  return pl.pallas_call(
+      functools.partial(_dkdv_kept_kernel, problem=problem, block_q=block_q, block_k=block_k,
+                        query_tiles_per_program=per_program),
+      grid=(capacity // block_k * chunks, batch, problem.num_kv_heads),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=[out_shape, out_shape],
+      input_output_aliases=aliases,
+      compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+      interpret=problem.interpret,
+      name="masked_attention_dkdv_kept",
+  )(*inputs)

@@ -1,0 +1,313 @@
+"""Attention kernels on the GPU: parity spot checks, timings against cuDNN and FLA, and a tiny laLTE
+training step through the Pallas kernels vs the XLA reference (issue 5).
+
+    python tools/bench_attention.py            # B8 T4096, B4 T8192, B2 T16384 (Hq32 Hkv8 D64 bf16)
+    python tools/bench_attention.py --quick    # B8 T4096 only
+
+Timed (medians of --iters calls after --warmup, three rotating input sets; jitted JAX calls around
+jax.block_until_ready, FLA around torch.cuda.synchronize):
+  ours SWA-1024; ours LTE training (window 769 keys, 4 sinks, 256 kept columns per KV head at
+  random positions); ours LTE prefill forward (window 769 + 256 kept keys = a half-full 512-slot
+  cache, with and without a key-padding mask); ours full causal; cuDNN SWA-1024 and causal through
+  jax.nn.dot_product_attention(implementation="cudnn"); FLA parallel_attn (window 1024, causal).
+"fwd+bwd" is one jitted call that runs the forward and the gradients wrt q, k, v.
+Ratios are against cuDNN SWA-1024 (or cuDNN causal for causal rows) in the same run and mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.masked_attention import masked_attention, reference
+from pallas_kernels.masked_attention import pallas as attention_pallas
+from pallas_kernels.masked_attention.tiling import BlockSizes
+
+SHAPES = ((8, 4096), (4, 8192), (2, 16384))
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
+# Block-size candidates timed by --sweep (SWA-1024, B8 T4096).
+# The first entries change forward blocks only (timed "fwd"), the rest backward blocks only.
+SWEEP_FORWARD = (
+    BlockSizes(),
+    BlockSizes(block_q=128, block_k=128, num_warps=8),
+    BlockSizes(block_q=64, block_k=64, num_stages=3),
+    BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    BlockSizes(block_q=128, block_k=32, num_stages=3),
+)
+SWEEP_BACKWARD = (
+    BlockSizes(),
+    BlockSizes(block_q_dq=128, block_k_dq=64, block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8),
+    BlockSizes(block_q_dq=64, block_k_dq=32, block_q_dkv=32, block_k_dkv=64, num_stages_bwd=3),
+    BlockSizes(block_q_dq=128, block_k_dq=32, block_q_dkv=32, block_k_dkv=128, num_warps_bwd=8),
+    BlockSizes(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages_bwd=3),
+)
+SWA_WINDOW, LTE_WINDOW_KEYS, LTE_SINKS, LTE_KEPT = 1024, 769, 4, 256
+
+
+def median_ms(fn, arg_sets, *, warmup, iters, sync=jax.block_until_ready):
+  for i in range(warmup):
+    sync(fn(*arg_sets[i % len(arg_sets)]))
+  times = []
+  for i in range(iters):
+    args = arg_sets[i % len(arg_sets)]
+    start = time.perf_counter()
+    sync(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def random_kept(key, batch, length, num_kv_heads, count):
+  """bool [B, S, Hkv] with exactly `count` True per (batch, KV head) at random positions."""
+  scores = jax.random.uniform(key, (batch, num_kv_heads, length))
+  threshold = jnp.sort(scores, axis=-1)[..., -count][..., None]
+  return jnp.transpose(scores >= threshold, (0, 2, 1))
+
+
+def jax_variants(block_sizes=None):
+  """name -> (attention fn of (q, k, v, kept, key_valid), anchor name).
+
+  kept/key_valid are jit arguments: closed over, they would be constants that XLA folds slowly.
+  """
+  def ours_blocks(blocks, use_kept=False, use_valid=False, **kw):
+    def attn(q, k, v, kept, key_valid):
+      masks = dict(kept_BSK=kept if use_kept else None,
+                   key_valid_BS=key_valid if use_valid else None)
+      if blocks is not None:
+        return attention_pallas.masked_attention(q, k, v, block_sizes=blocks, **kw, **masks)
+      return masked_attention(q, k, v, implementation="pallas", **kw, **masks)
+    return attn
+
+  ours = functools.partial(ours_blocks, block_sizes)
+
+  cudnn = lambda window: (lambda q, k, v, kept, key_valid: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cudnn",
+      local_window_size=None if window is None else (window - 1, 0)))
+  return {
+      "cuDNN SWA-1024": (cudnn(SWA_WINDOW), "cuDNN SWA-1024"),
+      "ours SWA-1024": (ours(window_size=SWA_WINDOW), "cuDNN SWA-1024"),
+      "ours LTE train (769 + 4 sinks + 256 kept)": (
+          ours(True, window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
+      "ours LTE train, kept dk/dv without atomics": (
+          ours_blocks(BlockSizes(kept_query_tiles_per_program=0), True,
+                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
+      "ours LTE prefill (769 + 256 kept)": (
+          ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      "ours LTE prefill + padding mask": (
+          ours(True, True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      "cuDNN causal": (cudnn(None), "cuDNN causal"),
+      "ours causal": (ours(), "cuDNN causal"),
+  }
+
+
+FORWARD_ONLY = ("prefill",)
+
+
+def fwd_and_bwd(attn):
+  def run(q, k, v, do, *extra):
+    out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, *extra), q, k, v)
+    return out, vjp(do)
+  return jax.jit(run)
+
+
+def record(results, key, ms, anchor):
+  results[key] = (ms, anchor)
+  anchor_ms = results.get((key[0], anchor, key[2]), (float("nan"),))[0]
+  print(f"  {' | '.join(key)} | {ms:.3f} ms | {ms / anchor_ms:.2f}x {anchor}", flush=True)
+
+
+def bench_jax(batch, length, args, results):
+  keys = jax.random.split(jax.random.key(0), 4 * 3 + 1)
+  normal = lambda key, heads: jax.random.normal(
+      key, (batch, length, heads, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
+  arg_sets = [(normal(keys[4 * i], NUM_Q_HEADS), normal(keys[4 * i + 1], NUM_KV_HEADS),
+               normal(keys[4 * i + 2], NUM_KV_HEADS), normal(keys[4 * i + 3], NUM_Q_HEADS))
+              for i in range(3)]
+  kept = random_kept(keys[-1], batch, length, NUM_KV_HEADS, LTE_KEPT)
+  key_valid = jnp.ones((batch, length), bool)
+  fwd_sets = [(q, k, v, kept, key_valid) for q, k, v, _ in arg_sets]
+  bwd_sets = [(q, k, v, do, kept, key_valid) for q, k, v, do in arg_sets]
+  shape = f"B{batch} T{length}"
+  variants = jax_variants()
+  if args.only:
+    variants = {name: value for name, value in variants.items()
+                if any(word in name for word in args.only)}
+  modes = {name: ("fwd", "fwd+bwd") for name in variants}
+  if args.sweep:
+    variants = {"cuDNN SWA-1024": variants["cuDNN SWA-1024"]}
+    modes = {"cuDNN SWA-1024": ("fwd", "fwd+bwd")}
+    for tag, candidates in (("fwd", SWEEP_FORWARD), ("fwd+bwd", SWEEP_BACKWARD)):
+      for blocks in candidates:
+        changed = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)
+                   if getattr(blocks, f.name) != f.default}
+        name = f"ours SWA-1024 {changed or 'defaults'}"
+        variants[name] = (jax_variants(blocks)["ours SWA-1024"][0], "cuDNN SWA-1024")
+        modes[name] = modes.get(name, ()) + (tag,)
+  for name, (attn, anchor) in variants.items():
+    try:
+      if "fwd" in modes[name]:
+        record(results, (shape, name, "fwd"),
+               median_ms(jax.jit(attn), fwd_sets, warmup=args.warmup, iters=args.iters), anchor)
+      if "fwd+bwd" in modes[name] and not any(word in name for word in FORWARD_ONLY):
+        record(results, (shape, name, "fwd+bwd"),
+               median_ms(fwd_and_bwd(attn), bwd_sets, warmup=args.warmup, iters=args.iters),
+               anchor)
+    except Exception as error:  # pylint: disable=broad-except
+      # One failing variant must not hide the others' numbers in a single GPU run.
+      print(f"  {shape} {name}: FAILED {str(error)[:2000]}", flush=True)
+
+
+def bench_fla(batch, length, args, results):
+  import torch  # pylint: disable=import-outside-toplevel
+  from fla.ops.attn import parallel_attn  # pylint: disable=import-outside-toplevel
+  shape = f"B{batch} T{length}"
+  gen = torch.Generator(device="cuda").manual_seed(0)
+  normal = lambda heads: torch.randn(batch, length, heads, HEAD_DIM, device="cuda",
+                                     dtype=torch.bfloat16, generator=gen)
+  arg_sets = [(normal(NUM_Q_HEADS), normal(NUM_KV_HEADS), normal(NUM_KV_HEADS),
+               normal(NUM_Q_HEADS)) for _ in range(3)]
+  sync = lambda _: torch.cuda.synchronize()
+  for window, name, anchor in ((SWA_WINDOW, "FLA SWA-1024", "cuDNN SWA-1024"),
+                               (None, "FLA causal", "cuDNN causal")):
+    if args.only and not any(word in name for word in args.only):
+      continue
+    def fwd(q, k, v, window=window):
+      with torch.no_grad():
+        return parallel_attn(q, k, v, window_size=window)
+
+    def fwd_bwd(q, k, v, do, window=window):
+      q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+      parallel_attn(q, k, v, window_size=window).backward(do)
+      return q.grad
+
+    record(results, (shape, name, "fwd"), median_ms(
+        fwd, [a[:3] for a in arg_sets], warmup=args.warmup, iters=args.iters, sync=sync), anchor)
+    record(results, (shape, name, "fwd+bwd"), median_ms(
+        fwd_bwd, arg_sets, warmup=args.warmup, iters=args.iters, sync=sync), anchor)
+
+
+def relative_error(actual, expected) -> float:
+  actual, expected = (np.asarray(x, np.float64) for x in (actual, expected))
+  return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
+
+
+def parity_checks():
+  """Ours vs cuDNN (SWA-1024, B8 T4096) and vs the XLA reference (LTE, B1 T4096): fwd and grads."""
+  lines = []
+  keys = jax.random.split(jax.random.key(7), 5)
+  for batch, against in ((8, "cuDNN"), (1, "reference")):
+    shape = lambda heads: (batch, 4096, heads, HEAD_DIM)
+    q = jax.random.normal(keys[0], shape(NUM_Q_HEADS)).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], shape(NUM_KV_HEADS)).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], shape(NUM_KV_HEADS)).astype(jnp.bfloat16)
+    do = jax.random.normal(keys[3], shape(NUM_Q_HEADS)).astype(jnp.bfloat16)
+    if against == "cuDNN":
+      kwargs = dict(window_size=SWA_WINDOW)
+      expected_fn = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation="cudnn", local_window_size=(SWA_WINDOW - 1, 0))
+      label = "SWA-1024 B8 T4096 vs cuDNN"
+    else:
+      kept = random_kept(keys[4], batch, 4096, NUM_KV_HEADS, LTE_KEPT)
+      kwargs = dict(window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS, kept_BSK=kept)
+      f32 = lambda x: x.astype(jnp.float32)
+      expected_fn = lambda q, k, v: reference.masked_attention(
+          f32(q), f32(k), f32(v), **kwargs).astype(jnp.bfloat16)
+      label = "LTE B1 T4096 vs f32 reference"
+    ours = fwd_and_bwd(lambda q, k, v: masked_attention(q, k, v, implementation="pallas",
+                                                        **kwargs))(q, k, v, do)
+    theirs = fwd_and_bwd(expected_fn)(q, k, v, do)
+    errors = [relative_error(a.astype(jnp.float32), b.astype(jnp.float32))
+              for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))]
+    lines.append(f"parity {label}: rel err o/dq/dk/dv = " + " / ".join(f"{e:.2e}" for e in errors))
+    print(lines[-1], flush=True)
+  return lines
+
+
+def tiny_model_check():
+  """One laLTE-tiny loss + grads through Pallas attention vs the XLA reference (GDN on XLA)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from lalte_jax.config import get_model_config  # pylint: disable=import-outside-toplevel
+  from lalte_jax.loss import next_token_cross_entropy  # pylint: disable=import-outside-toplevel
+  from lalte_jax.model import HybridLM  # pylint: disable=import-outside-toplevel
+  lines = []
+  tokens = jax.random.randint(jax.random.key(3), (2, 256), 0, 256)
+  for dtype in ("float32", "bfloat16"):
+    losses, grad_norms = {}, {}
+    for impl in ("xla", "pallas"):
+      base = get_model_config("lalte-tiny").replace(dtype=dtype)
+      config = base.replace(lte=dataclasses.replace(base.lte, implementation=impl))
+      if config.gdn is not None:
+        config = config.replace(gdn=dataclasses.replace(config.gdn, implementation="xla"))
+      model = HybridLM(config, rngs=nnx.Rngs(0))
+
+      @nnx.jit
+      def loss_and_grads(model, tokens):
+        return nnx.value_and_grad(
+            lambda m: next_token_cross_entropy(m(tokens), tokens))(model)
+
+      loss, grads = loss_and_grads(model, tokens)
+      leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+      losses[impl] = float(loss)
+      grad_norms[impl] = float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                            for g in leaves)))
+    lines.append(
+        f"laLTE-tiny {dtype} B2 T256: loss xla {losses['xla']:.6f} pallas {losses['pallas']:.6f}"
+        f" (|diff| {abs(losses['xla'] - losses['pallas']):.2e}); grad norm xla"
+        f" {grad_norms['xla']:.5f} pallas {grad_norms['pallas']:.5f}")
+    print(lines[-1], flush=True)
+  return lines
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="B8 T4096 only")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--iters", type=int, default=15)
+  parser.add_argument("--no-fla", action="store_true")
+  parser.add_argument("--sweep", action="store_true",
+                      help="time SWA-1024 at B8 T4096 for each block-size candidate in SWEEP")
+  parser.add_argument("--lengths", type=int, nargs="*",
+                      help="only these T of SHAPES (B8 T4096, B4 T8192, B2 T16384)")
+  parser.add_argument("--only", nargs="*", help="only variants whose name contains one of these")
+  parser.add_argument("--no-checks", action="store_true", help="skip parity and model checks")
+  args = parser.parse_args(argv)
+  print(f"devices: {jax.devices()}, jax {jax.__version__}", flush=True)
+  results = {}
+  shapes = SHAPES[:1] if args.quick or args.sweep else SHAPES
+  if args.lengths:
+    shapes = [(batch, length) for batch, length in SHAPES if length in args.lengths]
+  for batch, length in shapes:
+    bench_jax(batch, length, args, results)
+    if not args.no_fla and not args.sweep:
+      try:
+        bench_fla(batch, length, args, results)
+      except Exception as error:  # pylint: disable=broad-except
+        print(f"FLA failed at B{batch} T{length}: {error!r}", flush=True)
+  lines = []
+  for check in () if args.no_checks else (parity_checks, tiny_model_check):
+    try:
+      lines += check()
+    except Exception as error:  # pylint: disable=broad-except
+      lines.append(f"{check.__name__} FAILED: {str(error)[:2000]}")
+      print(lines[-1], flush=True)
+  print("\n| shape | kernel | mode | ms | vs anchor |\n| --- | --- | --- | --- | --- |")
+  for (shape, name, mode), (ms, anchor) in results.items():
+    anchor_ms = results.get((shape, anchor, mode), (float("nan"),))[0]
+    print(f"| {shape} | {name} | {mode} | {ms:.3f} | {ms / anchor_ms:.2f}x {anchor} |")
+  print("\n" + "\n".join(lines))
+  print("command: python tools/bench_attention.py " + " ".join(sys.argv[1:] if argv is None
+                                                               else argv))
+  return 0
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  sys.exit(main())

@@ -1,0 +1,303 @@
+"""GDN kernel on the GPU: forward parity and speed against FLA, plus a tiny-model training check.
+
+One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the command):
+1. for each benchmark shape (bf16, l2-norm on), the same random inputs go to FLA's
+   `chunk_gated_delta_rule` (PyTorch, shared through DLPack, so the values are identical) and to
+   ours (`implementation="pallas"`); prints the forward's relative difference and the medians of
+   forward and forward+backward time after warm-up, rotating two input sets, and the ratios.
+   Also times our pieces: the XLA preparation (step a) and the Pallas chunk scan alone.
+2. `--sweep`: times the chunk-scan kernels alone under several launch configurations.
+3. a tiny GDN model (`gdn-tiny`, bf16) trains a few steps with the Pallas kernel and with the XLA
+   reference from the same initial weights and batches; the losses must agree within the bf16
+   tolerance (2e-2 relative).
+
+FLA 0.6.0 refuses its gated backward (chunk_bwd_dqkwg) on Hopper with Triton < 3.7.1 (FLA issue
+#640: results can be wrong). The image has Triton 3.6.0, so for a *timing anchor only* this script
+disables that guard (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True); FLA's gradients are never
+compared. Our gradients are checked against the float64 recurrence by the gpu tests instead.
+
+Run on the GPU machine: `python3 tools/compare_fla.py [--quick] [--sweep] [--out DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=wrong-import-position
+from pallas_kernels.gated_delta_rule import ChunkConfig, StatePassConfig, chunk_gated_delta_rule
+from pallas_kernels.gated_delta_rule.pallas import prepare_scan_inputs
+from pallas_kernels.gated_delta_rule.pallas_state_pass import chunk_scan, default_state_config
+
+# (B, T, H, K=V): the issue's benchmark shapes.
+SHAPES = ((8, 4096, 8, 256), (8, 4096, 8, 128), (1, 16384, 8, 128), (4, 4096, 64, 128))
+BF16_TOLERANCE = 2e-2
+# (block_v, num_warps, num_stages) tried by --sweep, forward and backward kernels alike.
+# The 4th entry is StatePassConfig.v_blocks_adjacent.
+SWEEP_CONFIGS = ((32, 4, 1, False), (32, 4, 1, True), (16, 4, 1, True), (32, 8, 1, True),
+                 (64, 4, 1, True), (64, 8, 1, True), (64, 4, 2, False), (64, 4, 2, True),
+                 (128, 8, 1, True))
+
+
+def log(record: dict, results: list, out_dir: str | None):
+  """Prints one result and rewrites the JSON file, so a run cut short keeps what it measured."""
+  print(json.dumps(record), flush=True)
+  results.append(record)
+  if out_dir:
+    with open(os.path.join(out_dir, "compare_fla.json"), "w") as f:
+      json.dump(results, f, indent=1)
+
+
+def median_ms(fn, input_sets, *, warmup: int, repeats: int, sync) -> float:
+  """Median wall time of fn(*inputs) in ms, cycling through the input sets, after warm-up."""
+  for i in range(warmup):
+    sync(fn(*input_sets[i % len(input_sets)]))
+  times = []
+  for i in range(repeats):
+    inputs = input_sets[i % len(input_sets)]
+    start = time.perf_counter()
+    sync(fn(*inputs))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def make_inputs(seed, batch, seq_len, heads, dim):
+  """bf16 q, k, v, float32 g (log-sigmoid decays, mostly slow), bf16 beta, bf16 do."""
+  keys = jax.random.split(jax.random.key(seed), 6)
+  shape = (batch, seq_len, heads, dim)
+  normal = lambda key, s: jax.random.normal(key, s, jnp.float32)
+  return {
+      "q": normal(keys[0], shape).astype(jnp.bfloat16),
+      "k": normal(keys[1], shape).astype(jnp.bfloat16),
+      "v": normal(keys[2], shape).astype(jnp.bfloat16),
+      "g": jax.nn.log_sigmoid(3.0 + 1.5 * normal(keys[3], shape[:3])),
+      "beta": jax.nn.sigmoid(normal(keys[4], shape[:3])).astype(jnp.bfloat16),
+      "do": normal(keys[5], shape).astype(jnp.bfloat16),
+  }
+
+
+def to_torch(x):
+  import torch  # pylint: disable=import-outside-toplevel
+  return torch.utils.dlpack.from_dlpack(jax.block_until_ready(x)).clone()
+
+
+def load_fla():
+  import torch  # pylint: disable=import-outside-toplevel
+  import fla.ops.common.chunk_o as fla_chunk_o  # pylint: disable=import-outside-toplevel
+  from fla.ops.gated_delta_rule import (  # pylint: disable=import-outside-toplevel
+      chunk_gated_delta_rule as fla_chunk)
+  # Timing anchor only (module docstring): lift the Hopper + Triton < 3.7.1 guard.
+  fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+  return torch, fla_chunk
+
+
+def ours(config: ChunkConfig):
+  def forward(q, k, v, g, beta):
+    return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, implementation="pallas",
+                                  config=config)[0]
+
+  def forward_backward(q, k, v, g, beta, do):
+    _, vjp = jax.vjp(forward, q, k, v, g, beta)
+    return vjp(do)
+
+  return jax.jit(forward), jax.jit(forward_backward)
+
+
+def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-many-locals
+  batch, seq_len, heads, dim = shape
+  name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
+  sets = [make_inputs(seed, *shape) for seed in (0, 1)]
+  names = ("q", "k", "v", "g", "beta")
+  jax_sets = [[s[n] for n in names] for s in sets]
+  jax_sets_bwd = [[s[n] for n in names + ("do",)] for s in sets]
+  warmup, repeats = (3, 10) if args.quick else (5, 30)
+  sync_jax = jax.block_until_ready
+  forward, forward_backward = ours(ChunkConfig())
+
+  record = {"shape": name}
+  o_ours = forward(*jax_sets[0])
+  record["ours_fwd_ms"] = median_ms(forward, jax_sets, warmup=warmup, repeats=repeats,
+                                    sync=sync_jax)
+  record["ours_fwdbwd_ms"] = median_ms(forward_backward, jax_sets_bwd, warmup=warmup,
+                                       repeats=repeats, sync=sync_jax)
+  # Our pieces: the XLA preparation, and the Pallas scan alone (forward; forward + backward).
+  prep = jax.jit(lambda q, k, v, g, beta: prepare_scan_inputs(
+      q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64))
+  record["ours_prep_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
+                                         sync=sync_jax)
+  scan_inputs = [prep(*s) for s in jax_sets]
+  scan = jax.jit(lambda *a: chunk_scan(*a, 64, "bfloat16", False, default_state_config(dim)))
+  record["ours_scan_fwd_ms"] = median_ms(scan, scan_inputs, warmup=warmup, repeats=repeats,
+                                         sync=sync_jax)
+
+  if fla_chunk is not None:
+    torch_sets = [[to_torch(s[n]) for n in names + ("do",)] for s in sets]
+    sync_torch = lambda _: torch.cuda.synchronize()
+
+    def fla_forward(q, k, v, g, beta, do):
+      del do
+      with torch.no_grad():
+        return fla_chunk(q, k, v, g, beta, scale=dim ** -0.5, use_qk_l2norm_in_kernel=True)[0]
+
+    def fla_forward_backward(q, k, v, g, beta, do):
+      leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+      o = fla_chunk(*leaves, scale=dim ** -0.5, use_qk_l2norm_in_kernel=True)[0]
+      o.backward(do)
+      return [x.grad for x in leaves]
+
+    o_fla = fla_forward(*torch_sets[0])
+    o_fla_np = o_fla.float().cpu().numpy()
+    o_ours_np = np.asarray(o_ours.astype(jnp.float32))
+    record["fwd_rel_diff_vs_fla"] = float(np.max(np.abs(o_ours_np - o_fla_np))
+                                          / np.max(np.abs(o_fla_np)))
+    record["fwd_parity_ok"] = record["fwd_rel_diff_vs_fla"] <= BF16_TOLERANCE
+    record["fla_fwd_ms"] = median_ms(fla_forward, torch_sets, warmup=warmup, repeats=repeats,
+                                     sync=sync_torch)
+    record["fla_fwdbwd_ms"] = median_ms(fla_forward_backward, torch_sets, warmup=warmup,
+                                        repeats=repeats, sync=sync_torch)
+    record["fwd_ratio"] = record["ours_fwd_ms"] / record["fla_fwd_ms"]
+    record["fwdbwd_ratio"] = record["ours_fwdbwd_ms"] / record["fla_fwdbwd_ms"]
+    del torch_sets
+  log(record, results, args.out)
+
+
+def sweep_shape(shape, args, results):
+  """Times the chunk scan alone (forward; forward + backward) for several launch configs."""
+  batch, seq_len, heads, dim = shape
+  sets = [make_inputs(seed, *shape) for seed in (0, 1)]
+  prep = jax.jit(lambda q, k, v, g, beta: prepare_scan_inputs(
+      q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64))
+  scan_inputs = [prep(*[s[n] for n in ("q", "k", "v", "g", "beta")]) for s in sets]
+  do_sets = [jnp.pad(s["do"], [(0, 0), (0, -seq_len % 64), (0, 0), (0, 0)]) for s in sets]
+  name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
+  for block_v, warps, stages, adjacent in SWEEP_CONFIGS:
+    config = StatePassConfig(block_v=block_v, num_warps=warps, num_stages=stages,
+                             v_blocks_adjacent=adjacent)
+    scan = jax.jit(lambda *a, c=config: chunk_scan(*a, 64, "bfloat16", False, c))
+    try:
+      ms = median_ms(scan, scan_inputs, warmup=2, repeats=10, sync=jax.block_until_ready)
+    except Exception as error:  # pylint: disable=broad-except
+      ms = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    log({"sweep": "scan_fwd", "shape": name, "config": [block_v, warps, stages, adjacent],
+         "ms": ms}, results, args.out)
+  for block_v, warps, stages, adjacent in SWEEP_CONFIGS:
+    # The forward part keeps the default launch; the adjacency applies to both directions.
+    config = dataclasses.replace(default_state_config(dim), block_v_bwd=block_v,
+                                 num_warps_bwd=warps, num_stages_bwd=stages,
+                                 v_blocks_adjacent=adjacent)
+
+    def scan_fwd_bwd(*a, c=config):
+      *inputs, do = a
+      outputs, vjp = jax.vjp(lambda *x: chunk_scan(*x, 64, "bfloat16", False, c), *inputs)
+      return vjp((do, jnp.zeros_like(outputs[1])))
+
+    fn = jax.jit(scan_fwd_bwd)
+    try:
+      ms = median_ms(fn, [list(s) + [d] for s, d in zip(scan_inputs, do_sets)], warmup=2,
+                     repeats=10, sync=jax.block_until_ready)
+    except Exception as error:  # pylint: disable=broad-except
+      ms = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    log({"sweep": "scan_fwd_bwd", "shape": name, "config_bwd": [block_v, warps, stages, adjacent],
+         "ms": ms}, results, args.out)
+
+
+def train_check(args, results, steps: int = 30):
+  """gdn-tiny in bf16: per-step losses with the Pallas kernel vs the XLA reference."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from lalte_jax.config import get_model_config  # pylint: disable=import-outside-toplevel
+  from lalte_jax.loss import next_token_cross_entropy  # pylint: disable=import-outside-toplevel
+  from lalte_jax.model import HybridLM  # pylint: disable=import-outside-toplevel
+
+  base = get_model_config("gdn-tiny")
+  # Learnable but context-dependent data: arithmetic sequences with a random start and stride.
+  key_start, key_stride = jax.random.split(jax.random.key(7))
+  batch, seq_len = 8, 256
+  start = jax.random.randint(key_start, (steps, batch, 1), 0, base.vocab_size)
+  stride = jax.random.randint(key_stride, (steps, batch, 1), 1, 4)
+  tokens = (start + stride * jnp.arange(seq_len)) % base.vocab_size
+
+  def losses(implementation):
+    config = base.replace(dtype="bfloat16",
+                          gdn=dataclasses.replace(base.gdn, implementation=implementation))
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.adam(3e-3)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens_BT):
+      def loss_fn(params):
+        return next_token_cross_entropy(nnx.merge(graphdef, params, rest)(tokens_BT), tokens_BT)
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    out = []
+    for i in range(steps):
+      params, opt_state, loss = step(params, opt_state, tokens[i])
+      out.append(float(loss))
+    return out
+
+  pallas_losses = losses("pallas")
+  xla_losses = losses("xla")
+  rel = max(abs(a - b) / abs(b) for a, b in zip(pallas_losses, xla_losses))
+  log({"train_check": "gdn-tiny bf16 B8 T256", "steps": steps,
+       "pallas_losses": [round(x, 4) for x in pallas_losses[::5]] + [round(pallas_losses[-1], 4)],
+       "xla_losses": [round(x, 4) for x in xla_losses[::5]] + [round(xla_losses[-1], 4)],
+       "max_rel_diff": rel, "ok": rel <= BF16_TOLERANCE}, results, args.out)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
+  parser.add_argument("--sweep", action="store_true", help="time kernel launch configs")
+  parser.add_argument("--no-fla", action="store_true", help="skip FLA (ours only)")
+  parser.add_argument("--no-train", action="store_true", help="skip the training check")
+  parser.add_argument("--shapes", default="0,1,2,3", help="indices into SHAPES")
+  parser.add_argument("--sweep-shapes", default="0,1", help="indices into SHAPES for --sweep")
+  parser.add_argument("--fla-shapes", default=None,
+                      help="indices into SHAPES where FLA runs too (default: all); FLA's autotuning"
+                           " costs about a minute per shape")
+  parser.add_argument("--sweep-first", action="store_true", help="run the sweep before the rest")
+  parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the JSON")
+  args = parser.parse_args()
+  results: list = []
+  print(f"jax {jax.__version__} devices {jax.devices()}", flush=True)
+  torch, fla_chunk = (None, None) if args.no_fla else load_fla()
+  if args.sweep and args.sweep_first:
+    for index in args.sweep_shapes.split(","):
+      sweep_shape(SHAPES[int(index)], args, results)
+  fla_shapes = args.shapes if args.fla_shapes is None else args.fla_shapes
+  for index in args.shapes.split(","):
+    try:
+      with_fla = fla_chunk if index in fla_shapes.split(",") else None
+      bench_shape(SHAPES[int(index)], args, results, torch, with_fla)
+    except Exception as error:  # pylint: disable=broad-except
+      log({"shape": str(SHAPES[int(index)]),
+           "failed": f"{type(error).__name__}: {str(error)[:300]}"}, results, args.out)
+  if not args.no_train:
+    try:
+      train_check(args, results)
+    except Exception as error:  # pylint: disable=broad-except
+      log({"train_check": "failed", "error": f"{type(error).__name__}: {str(error)[:300]}"},
+          results, args.out)
+  if args.sweep and not args.sweep_first:
+    for index in args.sweep_shapes.split(","):
+      sweep_shape(SHAPES[int(index)], args, results)
+
+
+if __name__ == "__main__":
+  main()
