@@ -2,7 +2,14 @@
 
 Multi-process: pass --coordinator_address host:port --num_processes N --process_id i (or set
 LALTE_COORDINATOR_ADDRESS / LALTE_NUM_PROCESSES / LALTE_PROCESS_ID) on every process.
-Exit codes: 0 done, 2 bad configuration, 3 stopped after too many non-finite-gradient steps.
+If a process dies the others abort (exit status 134) within --heartbeat_timeout_s seconds
+(default 100; train/distributed.py).
+The run saves checkpoints in <output_dir>/checkpoints and resumes from the newest complete one
+when started again with the same output_dir (see train/checkpointing.py); at the end it exports
+the parameters for inference into <output_dir>/export. SIGTERM or SIGINT (Ctrl-C) saves the
+current step and exits 0; running the same command again continues from there.
+Exit codes: 0 done (or stopped by a signal after saving), 2 bad configuration, 3 stopped after
+too many non-finite-gradient steps.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--coordinator_address", default=None)
   parser.add_argument("--num_processes", type=int, default=None)
   parser.add_argument("--process_id", type=int, default=None)
+  parser.add_argument("--heartbeat_timeout_s", type=int, default=None,
+                      help="multi-process: seconds after which a silent peer counts as dead"
+                           " and every process aborts (default: LALTE_HEARTBEAT_TIMEOUT_S or 100)")
   args = parser.parse_args(argv)
 
   from train import sharding  # pylint: disable=import-outside-toplevel
@@ -36,29 +46,42 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
-  sharding.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+  sharding.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id,
+                                  heartbeat_timeout_seconds=args.heartbeat_timeout_s)
 
   import jax  # pylint: disable=import-outside-toplevel
+  from train.checkpointing import RunCheckpoints  # pylint: disable=import-outside-toplevel
   from train.step import TooManySkippedSteps  # pylint: disable=import-outside-toplevel
   from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
     print(f"{config.model_name}: {jax.device_count()} devices on {jax.process_count()}"
           f" process(es), {config.steps} steps of {config.global_batch_size} x {config.seq_len}"
           f" tokens, output in {config.run_dir}", flush=True)
+  checkpoints = RunCheckpoints.for_run(config)
   try:
-    trainer = Trainer(config)
-  except ValueError as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
-  try:
-    summary = trainer.run()
-  except TooManySkippedSteps as error:
-    trainer.logger.close()
-    print(f"error: {error}", file=sys.stderr)
-    return 3
-  if jax.process_index() == 0 and "eval_recall_accuracy" in summary:
-    print(f"held-out recall accuracy {summary['eval_recall_accuracy']:.3f} on"
-          f" {summary['eval_scored_tokens']} queries", flush=True)
+    try:
+      trainer = Trainer(config, checkpoints=checkpoints)
+    except ValueError as error:
+      print(f"error: {error}", file=sys.stderr)
+      return 2
+    try:
+      summary = trainer.run()
+    except TooManySkippedSteps as error:
+      trainer.logger.close()
+      print(f"error: {error}", file=sys.stderr)
+      return 3
+  finally:
+    checkpoints.close()  # waits for saves still being written
+  if jax.process_index() == 0:
+    if "stopped_at" in summary:
+      print(f"stopped by {summary['signal']} after step {summary['stopped_at']}; checkpoint"
+            f" {summary['checkpoint']}; run the same command again to resume", flush=True)
+      return 0
+    if "eval_recall_accuracy" in summary:
+      print(f"held-out recall accuracy {summary['eval_recall_accuracy']:.3f} on"
+            f" {summary['eval_scored_tokens']} queries", flush=True)
+    print(f"checkpoint: {summary['checkpoint']}\nexported parameters: {summary['export']}"
+          f" (python -m lalte_jax.generate --checkpoint {summary['export']} ...)", flush=True)
   return 0
 
 

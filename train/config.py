@@ -3,10 +3,15 @@
 An experiment file `configs/<exp>.py` exposes `get_config() -> TrainConfig`; the CLI applies
 `--set` overrides on top with `apply_overrides`, which converts each value to the field's type and
 raises `ValueError` naming any key that is not a field (a typo must never be silently ignored).
+
+Custom models: `model_overrides` changes fields of the preset's ModelConfig, by dotted name
+(`{"hidden_size": 128, "lte.window": 32}` in a config file, or `--set model.lte.window=32` on the
+command line, the value read as a Python literal: `--set model.layer_pattern="('gdn','lte')"`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import pathlib
@@ -14,9 +19,11 @@ import typing
 
 from lalte_jax.config import ModelConfig
 from lalte_jax.presets import SIZES, VARIANTS, get_model_config
+from train import model_overrides as overrides_lib
 
 DATA_KINDS = ("mqar", "passkey", "pretokenized")
 DTYPES = ("float32", "bfloat16")
+MODEL_OVERRIDE_PREFIX = "model."
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -33,6 +40,9 @@ class TrainConfig:
   model_dtype: str = "bfloat16"  # activations/matmuls; parameters stay float32 (master weights)
   remat: str = "none"
   scan_layers: bool = True
+  # Changes to the preset's ModelConfig by dotted field name, e.g. {"lte.window": 32}; a dict in
+  # config files, stored as sorted (name, value) pairs so that the config stays hashable.
+  model_overrides: tuple = ()
   # Data. "mqar"/"passkey" are generated on the fly from (index, seed); "pretokenized" reads the
   # ArrayRecord shards that tools/prepare_data.py writes into `data_dir`.
   data: str = "mqar"
@@ -78,8 +88,21 @@ class TrainConfig:
   tensorboard: bool = True
   progress_bar: bool = True
   peak_tflops_per_device: float = 0.0  # for MFU; 0 = look up from the device kind
+  # Checkpoints in <run_dir>/checkpoints (train/checkpointing.py): every `checkpoint_every` steps
+  # (0 = only at the end and on SIGTERM/SIGINT), the newest `checkpoint_keep` kept; `resume`
+  # continues from the newest complete one. At the end the parameters are exported for inference
+  # into <run_dir>/export in `export_dtype` (float32 = the master weights, lossless).
+  checkpoint_every: int = 100
+  checkpoint_keep: int = 3
+  resume: bool = True
+  export_dtype: str = "float32"
 
   def __post_init__(self):
+    try:
+      normalised = overrides_lib.normalise(self.model_overrides)
+    except ValueError as error:
+      raise ValueError(f"TrainConfig.model_overrides: {error}") from None
+    object.__setattr__(self, "model_overrides", normalised)
     _require(self.variant in VARIANTS, "variant", f"{self.variant!r} is not one of {VARIANTS}")
     _require(self.size in SIZES, "size", f"{self.size!r} is not one of {SIZES}")
     _require(self.model_dtype in DTYPES, "model_dtype", f"{self.model_dtype!r} not in {DTYPES}")
@@ -110,6 +133,11 @@ class TrainConfig:
     _require(0.0 < self.lte_tolerance_low <= self.lte_tolerance_high, "lte_tolerance_low",
              f"need 0 < low <= high, got ({self.lte_tolerance_low}, {self.lte_tolerance_high})")
     _require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
+    _require(self.checkpoint_every >= 0, "checkpoint_every",
+             f"must be >= 0 (0 = only at the end), got {self.checkpoint_every}")
+    _require(self.checkpoint_keep > 0, "checkpoint_keep",
+             f"must be positive, got {self.checkpoint_keep}")
+    _require(self.export_dtype in DTYPES, "export_dtype", f"{self.export_dtype!r} not in {DTYPES}")
     self.model_config()  # the preset must exist (e.g. pure_lte has no 1.4b) and validate
 
   @property
@@ -135,6 +163,11 @@ class TrainConfig:
       base = get_model_config(self.model_name)
     except ValueError as error:
       raise ValueError(f"TrainConfig.variant/size: {error}") from None
+    try:
+      base = overrides_lib.apply(base, self.model_overrides)
+    except ValueError as error:
+      raise ValueError(f"TrainConfig.model_overrides {dict(self.model_overrides)}: {error}"
+                       ) from None
     return base.replace(dtype=self.model_dtype, remat=self.remat, scan_layers=self.scan_layers,
                         max_position_embeddings=max(base.max_position_embeddings, self.seq_len))
 
@@ -163,22 +196,54 @@ def _parse_value(key: str, text: str, annotation) -> object:
 
 def apply_overrides(config: TrainConfig, assignments: typing.Sequence[str]) -> TrainConfig:
   """`config` with each "key=value" applied; unknown keys and bad values raise ValueError."""
-  types = typing.get_type_hints(TrainConfig)
-  changes = {}
+  field_types = typing.get_type_hints(TrainConfig)
+  changes, model_changes = {}, dict(config.model_overrides)
   for assignment in assignments:
     key, sep, text = assignment.partition("=")
     key = key.strip()
     if not sep:
       raise ValueError(f"--set {assignment!r}: expected key=value")
-    if key not in types:
-      raise ValueError(f"--set: unknown config key {key!r}; valid keys: {sorted(types)}")
-    changes[key] = _parse_value(key, text, types[key])
+    if key.startswith(MODEL_OVERRIDE_PREFIX):
+      model_changes[key[len(MODEL_OVERRIDE_PREFIX):]] = _parse_literal(text)
+      continue
+    if key not in field_types or key == "model_overrides":
+      raise ValueError(f"--set: unknown config key {key!r}; valid keys:"
+                       f" {sorted(set(field_types) - {'model_overrides'})} and"
+                       f" {MODEL_OVERRIDE_PREFIX}<ModelConfig field>")
+    changes[key] = _parse_value(key, text, field_types[key])
+  if model_changes != dict(config.model_overrides):
+    changes["model_overrides"] = model_changes
   return config.replace(**changes)
 
 
+def _parse_literal(text: str):
+  """A Python literal (number, bool, None, tuple...); anything else is taken as a string."""
+  try:
+    return ast.literal_eval(text.strip())
+  except (ValueError, SyntaxError):
+    return text.strip()
+
+
+def config_from_dict(data: dict) -> TrainConfig:
+  """The TrainConfig of `dataclasses.asdict(config)` (e.g. read back from a checkpoint's JSON)."""
+  names = {field.name for field in dataclasses.fields(TrainConfig)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    raise ValueError(f"TrainConfig: unknown fields {unknown} (saved by another version?)")
+  return TrainConfig(**data)
+
+
 def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> TrainConfig:
-  """Imports the experiment file at `path`, calls its `get_config()`, applies `overrides`."""
-  path = pathlib.Path(path)
+  """Imports the experiment file at `path`, calls its `get_config()`, applies `overrides`.
+
+  `path` may end in `:<arg>` (`configs/repro/common.py:lalte`): the file's `get_config(arg)` is
+  then called with that string, so that one file can hold a family of experiments.
+  """
+  argument = None
+  text = str(path)
+  if ":" in text and not pathlib.Path(text).is_file():
+    text, argument = text.rsplit(":", 1)
+  path = pathlib.Path(text)
   if not path.is_file():
     raise FileNotFoundError(f"config file {str(path)!r} does not exist")
   spec = importlib.util.spec_from_file_location(f"_train_config_{path.stem}", path)
@@ -186,7 +251,7 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
   spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ValueError(f"config file {str(path)!r} has no get_config() function")
-  config = module.get_config()
+  config = module.get_config() if argument is None else module.get_config(argument)
   if not isinstance(config, TrainConfig):
     raise ValueError(f"{path}: get_config() returned {type(config).__name__}, not TrainConfig")
   return apply_overrides(config, overrides)

@@ -1,8 +1,9 @@
-"""Device mesh, sharding rules and multi-process start-up: the one place that decides layouts.
+"""Device mesh and sharding rules: the one place that decides layouts.
 
-Mesh: every device of every process, axes ("data", "fsdp", "tensor"). Batches are split over
-data x fsdp; parameters and optimizer moments are sharded over fsdp (each device holds a slice and
-XLA gathers them for the matmuls: ZeRO-3 / FSDP) and optionally over "tensor".
+Mesh: every device of every process (multi-process start-up: train/distributed.py), axes
+("data", "fsdp", "tensor"). Batches are split over data x fsdp; parameters and optimizer moments
+are sharded over fsdp (each device holds a slice and XLA gathers them for the matmuls: ZeRO-3 /
+FSDP) and optionally over "tensor".
 
 Parameter rules (`param_partition_spec`), from the parameter's path and shape only:
 - the leading [num_groups] axis of the scanned stack ("groups/...") is never sharded: the scan
@@ -17,12 +18,14 @@ Optimizer-state leaves carry their parameter's path as a suffix, so the same rul
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+# Multi-process start-up lives in train/distributed.py; re-exported for existing callers.
+from train.distributed import initialize_distributed  # pylint: disable=unused-import
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -136,39 +139,3 @@ def to_host(tree):
       return np.asarray(leaf.addressable_data(0))
     return np.asarray(leaf)
   return jax.tree.map(one, tree)
-
-
-ENV_COORDINATOR = "LALTE_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "LALTE_NUM_PROCESSES"
-ENV_PROCESS_ID = "LALTE_PROCESS_ID"
-
-
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None, process_id: int | None = None, *,
-                           heartbeat_timeout_seconds: int = 100,
-                           initialization_timeout: int = 300) -> bool:
-  """Starts `jax.distributed` for a multi-process run; returns whether it did.
-
-  Each argument falls back to an environment variable (LALTE_COORDINATOR_ADDRESS "host:port",
-  LALTE_NUM_PROCESSES, LALTE_PROCESS_ID). With no coordinator, or one process, nothing happens
-  (single-process run). Call it before anything touches a JAX device. When a peer dies, the
-  others fail after `heartbeat_timeout_seconds` instead of waiting forever in a collective.
-  """
-  coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
-  if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
-    num_processes = int(os.environ[ENV_NUM_PROCESSES])
-  if process_id is None and os.environ.get(ENV_PROCESS_ID):
-    process_id = int(os.environ[ENV_PROCESS_ID])
-  if coordinator_address is None or (num_processes or 1) == 1:
-    return False
-  if process_id is None or not 0 <= process_id < num_processes:
-    raise ValueError(f"distributed: process id {process_id!r} must be given and lie in"
-                     f" [0, {num_processes}) (flag or {ENV_PROCESS_ID})")
-  # CPU processes (tests, CPU clusters) need a cross-process collectives backend; this setting
-  # only concerns the CPU client and leaves GPU collectives (NCCL) alone.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id,
-                             heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                             initialization_timeout=initialization_timeout)
-  return True

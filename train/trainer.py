@@ -3,12 +3,18 @@
 `Trainer(config).run()` trains `config.steps` optimizer steps from `state.step`, logs every
 `log_every` steps, stops with `TooManySkippedSteps` after `max_consecutive_skips` non-finite
 gradients in a row, evaluates held-out recall on synthetic tasks, and returns a summary.
-Checkpointing plugs in through `callbacks` (called as `callback(trainer, step)` after each step)
-and by replacing `trainer.state` / `trainer.data_iterator` before `run()`.
+`callbacks` are called as `callback(trainer, step)` after each step.
+
+With `checkpoints` (a `train.checkpointing.RunCheckpoints`, as the CLI passes) the run is
+resumable: it starts from the newest complete checkpoint (`config.resume`), saves every
+`checkpoint_every` steps and at the end, stops cleanly on SIGTERM/SIGINT after saving the current
+step, and finally exports the parameters for inference into `<run_dir>/export`. Without it nothing
+is written besides the metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -22,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from lalte_jax.data import IGNORE_LABEL, MQARSource, PasskeySource, PretokenizedSource, make_dataset
-from train import sharding
+from train import checkpointing, export, sharding
 from train.config import TrainConfig
 from train.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
 from train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
@@ -62,9 +68,11 @@ def with_labels(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class Trainer:
 
   def __init__(self, config: TrainConfig, *, mesh: jax.sharding.Mesh | None = None,
-               state: TrainState | None = None, logger: MetricsLogger | None = None):
-    """`state` (host or device arrays of any layout, e.g. restored from a checkpoint) is placed
-    on this mesh's shardings; without it a fresh state is initialised from `config.seed`."""
+               state: TrainState | None = None, logger: MetricsLogger | None = None,
+               checkpoints: checkpointing.RunCheckpoints | None = None):
+    """`state` (host or device arrays of any layout) is placed on this mesh's shardings; without
+    it the state comes from the newest checkpoint in `checkpoints` (when `config.resume`), read
+    directly into this mesh's layout, or else is initialised from `config.seed`."""
     self.config = config
     self.model_config = config.model_config()
     self.mesh = mesh or sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
@@ -78,7 +86,22 @@ class Trainer:
     self.graphdef = model_graphdef(self.model_config)
     init = functools.partial(init_train_state, self.model_config, config)
     key = jax.random.key(config.seed)
-    self.state_shardings = sharding.train_state_shardings(jax.eval_shape(init, key), self.mesh)
+    state_shapes = jax.eval_shape(init, key)
+    self.state_shardings = sharding.train_state_shardings(state_shapes, self.mesh)
+    self.data_iterator = make_dataset(
+        make_source(config, split="train"),
+        batch_size_per_process=config.global_batch_size // jax.process_count(), seed=config.seed,
+        shuffle=True, process_index=jax.process_index(), process_count=jax.process_count())
+    self.checkpoints = checkpoints
+    self.resumed_from = None
+    if state is None and checkpoints is not None and checkpoints.latest_step() is not None:
+      if not config.resume:
+        raise ValueError(f"TrainConfig.resume: {checkpoints.directory} holds checkpoints (steps"
+                         f" {checkpoints.all_steps()}) but resume=False; delete them or choose"
+                         " another output_dir")
+      self.resumed_from = checkpoints.latest_step()
+      state = checkpoints.restore(checkpointing.abstract_like(state_shapes, self.state_shardings),
+                                  self.data_iterator)
     if state is None:
       self.state = jax.jit(init, out_shardings=self.state_shardings)(key)
     else:
@@ -98,10 +121,6 @@ class Trainer:
     self.step_fn = jax.jit(step_fn, in_shardings=(self.state_shardings, batch_sh),
                            out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
                            donate_argnums=0)
-    self.data_iterator = make_dataset(
-        make_source(config, split="train"),
-        batch_size_per_process=config.global_batch_size // jax.process_count(), seed=config.seed,
-        shuffle=True, process_index=jax.process_index(), process_count=jax.process_count())
     self.logger = logger or MetricsLogger(
         config.run_dir, total_steps=config.steps,
         initial_step=int(sharding.to_host(self.state.step)),
@@ -121,8 +140,41 @@ class Trainer:
     return metrics
 
   def run(self) -> dict:
+    """Trains to `config.steps`; returns the summary. A run stopped by SIGTERM/SIGINT (only with
+    `checkpoints`) returns {"stopped_at": step, "signal": name, ...} after saving that step."""
     config = self.config
     start_step = int(sharding.to_host(self.state.step))
+    if self.resumed_from is not None:
+      self.logger.message(f"resumed from {self.checkpoints.directory}/{self.resumed_from}")
+    stop = (checkpointing.StopSignals() if self.checkpoints is not None
+            else contextlib.nullcontext(None))
+    with stop as signals:
+      summary = self._train_steps(start_step, signals)
+    if "stopped_at" in summary:
+      self.checkpoints.save(summary["stopped_at"], self.state, self.data_iterator, wait=True)
+      summary["checkpoint"] = str(self.checkpoints.directory / str(summary["stopped_at"]))
+      self.logger.message("stopped: " + json.dumps(summary))
+      self.logger.close()
+      return summary
+    summary.update(self.evaluate())
+    if self.checkpoints is not None:
+      final_step = int(sharding.to_host(self.state.step))
+      self.checkpoints.save(final_step, self.state, self.data_iterator, wait=True)
+      summary["checkpoint"] = str(self.checkpoints.directory / str(final_step))
+      summary["export"] = export.export_state_params(
+          self.state.params, self.model_config,
+          pathlib.Path(config.run_dir) / export.RUN_EXPORT_DIR, dtype=config.export_dtype)
+    self.logger.message("summary: " + json.dumps(summary))
+    if jax.process_index() == 0:
+      path = pathlib.Path(config.run_dir)
+      path.mkdir(parents=True, exist_ok=True)
+      (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    self.logger.close()
+    return summary
+
+  def _train_steps(self, start_step: int, stop: checkpointing.StopSignals | None) -> dict:
+    """The loop from `start_step` to `config.steps` (or to a stop signal); the summary so far."""
+    config = self.config
     previous = None
     interval_start, interval_steps, wall_start = None, 0, time.perf_counter()
     host = {}
@@ -147,20 +199,18 @@ class Trainer:
       for callback in self.callbacks:
         callback(self, step)
       self.logger.advance(step)
+      if (self.checkpoints is not None and config.checkpoint_every
+          and step % config.checkpoint_every == 0 and step < config.steps):
+        self.checkpoints.save(step, self.state, self.data_iterator)  # async; the end saves anyway
+      if stop is not None and stop.stop_now():
+        return {"stopped_at": step, "signal": stop.signal_name or "another process",
+                "elapsed_s": time.perf_counter() - wall_start}
     if previous is not None:
       check_skipped_steps(sharding.to_host(previous["skipped_consecutive"]), config.steps,
                           config.max_consecutive_skips)
-    summary = {"steps": config.steps, "elapsed_s": time.perf_counter() - wall_start,
-               "final_loss": float(host["loss"]) if host else None,
-               "skipped_total": int(sharding.to_host(self.state.skipped_total))}
-    summary.update(self.evaluate())
-    self.logger.message("summary: " + json.dumps(summary))
-    if jax.process_index() == 0:
-      path = pathlib.Path(config.run_dir)
-      path.mkdir(parents=True, exist_ok=True)
-      (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    self.logger.close()
-    return summary
+    return {"steps": config.steps, "elapsed_s": time.perf_counter() - wall_start,
+            "final_loss": float(host["loss"]) if host else None,
+            "skipped_total": int(sharding.to_host(self.state.skipped_total))}
 
   def _throughput(self, steps: int, seconds: float) -> dict:
     if steps == 0 or seconds <= 0:

@@ -1,12 +1,19 @@
-"""Params-only checkpoints for inference: a directory with `model.json` (the preset name) and
-`params/` (the model's `nnx.Param` state written by orbax's StandardCheckpointer).
+"""Params-only checkpoints for inference: a directory with `model.json` and `params/` (the
+model's `nnx.Param` state written by orbax's StandardCheckpointer).
 
-Loading checks the stored parameter tree against the preset's before restoring, so a checkpoint of
+`model.json` holds the full `ModelConfig` (so custom configs, e.g. a preset with a smaller width
+or window, load without a preset of their own), its name, and the dtype the parameters were
+stored in. Older files that hold only `config_name` load through the preset of that name.
+Parameters may be stored in bfloat16 (`save_params(..., dtype="bfloat16")`, half the bytes);
+loading always gives float32 parameters, as the model computes with float32 master weights.
+
+Loading checks the stored parameter tree against the config's before restoring, so a checkpoint of
 another architecture fails with a ValueError that names the first differences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -14,27 +21,78 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lalte_jax.config import get_model_config
+from lalte_jax.config import (AttentionConfig, GDNConfig, LTEConfig, ModelConfig, NSAConfig,
+                              get_model_config)
 from lalte_jax.model import HybridLM
 
-FORMAT = "lalte_jax.params.v1"
+FORMAT = "lalte_jax.params.v2"
 METADATA_FILE = "model.json"
 PARAMS_DIR = "params"
+PARAM_DTYPES = ("float32", "bfloat16")
+_SUB_CONFIGS = {"gdn": GDNConfig, "attention": AttentionConfig, "lte": LTEConfig,
+                "nsa": NSAConfig}
 
 
-def save_params(model: HybridLM, directory: str | pathlib.Path) -> None:
-  """Writes `model`'s parameters and preset name under `directory` (which must not exist)."""
+def model_config_to_json(config: ModelConfig) -> dict:
+  """A JSON-able dict of every field of `config` (tuples become lists)."""
+  return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def _tuples(value):
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def model_config_from_json(data: dict) -> ModelConfig:
+  """The ModelConfig that `model_config_to_json` wrote (equal to the original); unknown or
+  missing fields raise ValueError."""
+  def build(cls, fields: dict, where: str):
+    if not isinstance(fields, dict):
+      raise ValueError(f"checkpoint: {where} must be an object, got {fields!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+      raise ValueError(f"checkpoint: {where} has unknown fields {unknown}")
+    values = {}
+    for name, value in fields.items():
+      if name in _SUB_CONFIGS and cls is ModelConfig:
+        values[name] = None if value is None else build(_SUB_CONFIGS[name], value, name)
+      else:
+        values[name] = _tuples(value)  # every list-valued config field is a tuple
+    try:
+      return cls(**values)
+    except TypeError as error:  # a missing required field
+      raise ValueError(f"checkpoint: {where}: {error}") from None
+  return build(ModelConfig, data, "model_config")
+
+
+def save_params(model: HybridLM, directory: str | pathlib.Path, dtype: str = "float32") -> None:
+  """Writes `model`'s parameters (cast to `dtype`) and full config under `directory` (which must
+  not exist)."""
+  save_param_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config, directory, dtype)
+
+
+def save_param_dict(params: dict, config: ModelConfig, directory: str | pathlib.Path,
+                    dtype: str = "float32") -> None:
+  """`save_params` for an nnx pure dict of parameters (e.g. a train state's, sharded or not).
+  In a multi-process run every process calls it (Orbax writes each process's shards); process 0
+  creates the directory and writes `model.json`."""
   import orbax.checkpoint as ocp
+  if dtype not in PARAM_DTYPES:
+    raise ValueError(f"save_params: dtype {dtype!r} is not one of {PARAM_DTYPES}")
   directory = pathlib.Path(directory).absolute()
-  if directory.exists():
-    raise ValueError(f"checkpoint: {directory} already exists")
-  directory.mkdir(parents=True)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  primary = jax.process_index() == 0
+  if primary:
+    if directory.exists():
+      raise ValueError(f"checkpoint: {directory} already exists")
+    directory.mkdir(parents=True)
+  params = jax.tree.map(lambda x: x.astype(dtype), params)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(directory / PARAMS_DIR, _string_keys(params))
   checkpointer.wait_until_finished()
-  (directory / METADATA_FILE).write_text(json.dumps(
-      {"format": FORMAT, "config_name": model.config.name}, indent=2))
+  if primary:
+    (directory / METADATA_FILE).write_text(json.dumps(
+        {"format": FORMAT, "config_name": config.name, "param_dtype": dtype,
+         "model_config": model_config_to_json(config)}, indent=2))
 
 
 def _string_keys(tree):
@@ -56,7 +114,7 @@ def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def read_config_name(directory: str | pathlib.Path) -> str:
+def _read_metadata(directory: str | pathlib.Path) -> dict:
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     raise ValueError(f"checkpoint: {directory} is not a directory")
@@ -66,16 +124,29 @@ def read_config_name(directory: str | pathlib.Path) -> str:
                      " params-only checkpoint written by lalte_jax.inference.checkpoint)")
   try:
     metadata = json.loads(metadata_path.read_text())
-    return str(metadata["config_name"])
+    metadata["config_name"] = str(metadata["config_name"])
+    return metadata
   except (json.JSONDecodeError, KeyError, TypeError) as error:
     raise ValueError(f"checkpoint: {metadata_path} is not valid metadata ({error})") from error
 
 
+def read_config_name(directory: str | pathlib.Path) -> str:
+  return _read_metadata(directory)["config_name"]
+
+
+def read_model_config(directory: str | pathlib.Path) -> ModelConfig:
+  """The full config stored with the parameters (the preset of that name for v1 files)."""
+  metadata = _read_metadata(directory)
+  if "model_config" in metadata:
+    return model_config_from_json(metadata["model_config"])
+  return get_model_config(metadata["config_name"])
+
+
 def load_params(directory: str | pathlib.Path, config_name: str | None = None,
                 dtype: str | None = None) -> HybridLM:
-  """The model stored in `directory`.
+  """The model stored in `directory`, with float32 parameters.
 
-  config_name: the preset the caller expects; a checkpoint of another preset raises ValueError.
+  config_name: the config name the caller expects; another name raises ValueError.
   dtype: activation dtype override ("bfloat16" on GPUs); parameters stay float32.
   """
   import orbax.checkpoint as ocp
@@ -84,7 +155,7 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
   if config_name is not None and config_name != stored_name:
     raise ValueError(f"checkpoint: {directory} holds a {stored_name!r} model, not the requested"
                      f" {config_name!r}")
-  config = get_model_config(stored_name)
+  config = read_model_config(directory)
   if dtype is not None:
     config = config.replace(dtype=dtype)
   abstract = nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0)))
@@ -101,9 +172,18 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
     raise ValueError(f"checkpoint: the parameters in {directory} do not fit {stored_name!r}"
                      f" (another architecture?); missing {missing}, unexpected {extra},"
                      f" wrong shapes {wrong}")
-  abstract_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), target)
+  # Onto one device whatever the saving run's mesh was (a trainer's export is sharded).
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract_target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), target)
   restored = checkpointer.restore(directory / PARAMS_DIR, abstract_target)
   nnx.replace_by_pure_dict(params_state,
                            _keys_like(nnx.to_pure_dict(params_state), restored))
   rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
   return nnx.merge(graphdef, params_state, rest)
+
+
+def load_model(directory: str | pathlib.Path, dtype: str | None = None) -> HybridLM:
+  """The model (full stored config + float32 parameters) of a params-only checkpoint, as the
+  trainer's export (`python -m train.export`, `<run_dir>/export`) writes it."""
+  return load_params(directory, dtype=dtype)

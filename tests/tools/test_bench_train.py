@@ -1,0 +1,64 @@
+"""tools/bench_train.py: a CPU smoke run of a tiny preset through the default child-process path,
+and the out-of-memory classification and command-line plumbing it relies on."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "bench_train.py"
+
+
+def _load_module():
+  spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.slow
+def test_tiny_preset_runs_and_reports(tmp_path):
+  output = tmp_path / "bench.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run(
+      [sys.executable, str(SCRIPT), "--presets", "lalte-tiny", "--seq_len", "64", "--steps", "2",
+       "--warmup", "1", "--batch", "2", "--grad_accum", "2", "--remat", "block",
+       "--json", str(output)],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert done.returncode == 0, done.stderr[-4000:]
+  (result,) = json.loads(output.read_text())
+  assert result["status"] == "ok", result
+  assert result["preset"] == "lalte-tiny" and result["global_batch"] == 4  # 2 x 1 device x 2
+  assert len(result["step_times_s"]) == 2 and result["step_time_s"] > 0
+  assert result["tokens_per_s"] == pytest.approx(4 * 64 / result["step_time_s"])
+  assert result["compile_s"] > 0 and result["flops_per_token"] > 0
+  assert result["mfu"] is None  # CPU: no datasheet peak
+  assert 0 < result["final_loss"] < 10  # random tokens over a 256-token vocabulary: ~ln 256
+  assert "| lalte-tiny | ok | 64 | 2 x 2 | block |" in done.stdout
+
+
+def test_out_of_memory_is_recognised_and_reported(monkeypatch):
+  bench = _load_module()
+  assert bench.is_out_of_memory(RuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 81.2GiB."))
+  assert not bench.is_out_of_memory(ValueError("TrainConfig.size: 'huge' is not one of ..."))
+
+  def out_of_memory(preset, args):
+    raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating the state of {preset}")
+  monkeypatch.setattr(bench, "bench_preset", out_of_memory)
+  args = bench.parse_args(["--presets", "lalte-1.4b", "--batch", "8"])
+  result = bench.run_one("lalte-1.4b", args)
+  assert result["status"] == "oom" and "RESOURCE_EXHAUSTED" in result["error"]
+  assert "| lalte-1.4b | oom |" in bench.markdown_table([result])
+
+
+def test_children_get_the_flags_but_one_preset():
+  bench = _load_module()
+  argv = ["--presets", "a-tiny", "b-tiny", "--batch", "2", "--json", "x.json", "--remat=dots",
+          "--in_process"]
+  assert bench._argv_without_presets(argv) == ["--batch", "2", "--remat=dots"]  # pylint: disable=protected-access

@@ -1,0 +1,263 @@
+"""Train-step throughput, MFU, memory and compile time of the trainer's jitted step, per preset.
+
+    python tools/bench_train.py                          # lalte/gdn_swa/gdn_attn-0.4b, T=4096
+    python tools/bench_train.py --presets lalte-1.4b --batch 2 --remat block   # does it fit?
+    python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
+
+The step is the one `python -m train` runs: `train.trainer.Trainer` builds it (AdamW, float32
+master weights, `--dtype` compute, `--remat`, gradient accumulation over `--grad_accum`
+micro-batches, FSDP over `--mesh_fsdp` devices), here fed a fixed batch of random tokens (no
+dataset). `--batch` is the per-device micro-batch: one step processes
+batch x (data x fsdp devices) x grad_accum sequences of `--seq_len` tokens.
+
+Per preset: compile time (lower + compile of the step), then `--warmup` untimed steps, then the
+median wall time of `--steps` steps (each waited for with block_until_ready), tokens/s, MFU, and
+the device's peak memory (`memory_stats()["peak_bytes_in_use"]`; null where the backend has none,
+e.g. CPU) next to the memory JAX may use (`bytes_limit`: by default 0.75 of the GPU, see
+`--mem_fraction`). MFU uses the model FLOP count of `train.metrics.flops_per_token` (6 N per
+token for the matmul parameters + the attention / delta-rule mixer terms, forward + backward, no
+remat recompute) over `train.metrics.peak_flops_per_device` (dense bf16 datasheet peak;
+`--peak_tflops` overrides). XLA's own count of the compiled step (`xla_flops_per_step`: remat
+recompute included, custom kernels not) is reported next to it where the backend gives one.
+
+Each preset runs in a fresh child process (default), so that its peak memory is its own and an
+out-of-memory preset cannot leave the next one fragmented memory. RESOURCE_EXHAUSTED (at compile
+or run time) is reported as status "oom" and the benchmark continues with the next preset.
+Prints one JSON line per preset and a markdown table; `--json PATH` writes the list.
+Exit status: 0 when every preset ran or was out of memory, 1 when one failed otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+# jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK fusions on small thread pools (see
+# train/__main__.py); CPU-only flag, set before JAX creates its backends.
+if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
+                             ).strip()
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:  # run as a script from a checkout
+  sys.path.insert(0, str(_REPO_ROOT))
+
+DEFAULT_PRESETS = ("lalte-0.4b", "gdn_swa-0.4b", "gdn_attn-0.4b")
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
+                      help="'<variant>-<size>' names (lalte_jax.presets)")
+  parser.add_argument("--seq_len", type=int, default=4096)
+  parser.add_argument("--batch", type=int, default=1,
+                      help="sequences per device per micro-batch")
+  parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
+  parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+  parser.add_argument("--implementation", default=None, choices=("xla", "pallas"),
+                      help="kernel version of every token mixer (default: the platform's fastest)")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                      help="compute dtype (parameters and optimizer state stay float32)")
+  parser.add_argument("--mesh_fsdp", type=int, default=1,
+                      help="devices that shard parameters and optimizer state (the rest: data)")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+  parser.add_argument("--peak_tflops", type=float, default=0.0,
+                      help="peak TFLOP/s per device for MFU (0 = look up the device kind)")
+  parser.add_argument("--mem_fraction", type=float, default=None,
+                      help="GPU memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION; default:"
+                           " JAX's, 0.75 of the GPU)")
+  parser.add_argument("--json", default="", help="also write the results (a JSON list) here")
+  parser.add_argument("--timeout_s", type=int, default=3600,
+                      help="per-preset limit of a child process")
+  parser.add_argument("--in_process", action="store_true",
+                      help="run the presets in this process, one after another (peak memory is"
+                           " then the maximum so far)")
+  args = parser.parse_args(argv)
+  for name in ("seq_len", "batch", "grad_accum", "mesh_fsdp", "steps", "timeout_s"):
+    if getattr(args, name) <= 0:
+      parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+  if args.warmup < 0:
+    parser.error(f"--warmup must be >= 0, got {args.warmup}")
+  if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:
+    parser.error(f"--mem_fraction must lie in (0, 1], got {args.mem_fraction}")
+  return args
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device memory (at compile or at run time)."""
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def _xla_flops(compiled) -> float | None:
+  """XLA's FLOP count of a compiled step (the cost analysis API returns a dict or [dict])."""
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # optional; some backends have none
+    return None
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  flops = (analysis or {}).get("flops")
+  return float(flops) if flops is not None and flops > 0 else None
+
+
+def bench_preset(preset: str, args: argparse.Namespace) -> dict:
+  """Compiles and times the train step of `preset`; a dict of results (status "ok")."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from train import sharding  # pylint: disable=import-outside-toplevel
+  from train.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  from train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
+  from train.trainer import Trainer, with_labels  # pylint: disable=import-outside-toplevel
+
+  variant, _, size = preset.rpartition("-")
+  mesh = sharding.make_mesh(-1, args.mesh_fsdp, 1)
+  global_batch = args.batch * sharding.batch_devices(mesh) * args.grad_accum
+  # The schedule does not change the step's cost; steps/warmup only need to validate.
+  config = TrainConfig(variant=variant, size=size, model_dtype=args.dtype, remat=args.remat,
+                       data="mqar", seq_len=args.seq_len, num_train_examples=global_batch,
+                       global_batch_size=global_batch, grad_accum_steps=args.grad_accum,
+                       steps=1000, warmup_steps=10, mesh_fsdp=args.mesh_fsdp,
+                       peak_tflops_per_device=args.peak_tflops, progress_bar=False,
+                       tensorboard=False)
+  if args.implementation is not None:
+    from train import model_overrides  # pylint: disable=import-outside-toplevel
+    config = config.replace(model_overrides=model_overrides.implementation_overrides(
+        config.model_config(), args.implementation))
+  result = {"preset": preset, "implementation": args.implementation or "default",
+            "seq_len": args.seq_len, "batch_per_device": args.batch,
+            "grad_accum": args.grad_accum, "global_batch": global_batch, "remat": args.remat,
+            "dtype": args.dtype, "mesh_fsdp": args.mesh_fsdp, "devices": jax.device_count(),
+            "device_kind": jax.devices()[0].device_kind}
+  trainer = Trainer(config, mesh=mesh, logger=MetricsLogger("", total_steps=1, enabled=False))
+  vocab_size = trainer.model_config.vocab_size
+  rows = global_batch // jax.process_count()
+  tokens = np.random.default_rng(0).integers(0, vocab_size, (rows, args.seq_len), np.int32)
+  batch = sharding.global_batch(with_labels({"tokens": tokens}), mesh)
+
+  start = time.perf_counter()
+  compiled = trainer.step_fn.lower(trainer.state, batch).compile()
+  result["compile_s"] = time.perf_counter() - start
+  result["xla_flops_per_step"] = _xla_flops(compiled)
+
+  state, step_times, metrics = trainer.state, [], None
+  trainer.state = None  # the step donates the state; keep no second reference
+  for index in range(args.warmup + args.steps):
+    start = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    if index >= args.warmup:
+      step_times.append(time.perf_counter() - start)
+  step_time = statistics.median(step_times)
+  tokens_per_s = config.tokens_per_step / step_time
+  result.update(
+      status="ok", step_time_s=step_time, step_times_s=step_times, tokens_per_s=tokens_per_s,
+      tokens_per_step=config.tokens_per_step, flops_per_token=trainer.flops_per_token,
+      final_loss=float(sharding.to_host(metrics["loss"])))
+  peak_flops = trainer.peak_flops  # per device; None on CPU / unknown kinds without --peak_tflops
+  result["mfu"] = (tokens_per_s * trainer.flops_per_token / (peak_flops * jax.device_count())
+                   if peak_flops else None)
+  memory = jax.local_devices()[0].memory_stats() or {}
+  result["peak_memory_gib"] = (memory["peak_bytes_in_use"] / 2**30
+                               if "peak_bytes_in_use" in memory else None)
+  result["memory_limit_gib"] = (memory["bytes_limit"] / 2**30 if "bytes_limit" in memory
+                                else None)  # what JAX may use: see --mem_fraction
+  return result
+
+
+def run_one(preset: str, args: argparse.Namespace) -> dict:
+  """`bench_preset` with failures turned into results: status "oom" or "error"."""
+  try:
+    return bench_preset(preset, args)
+  except Exception as error:  # pylint: disable=broad-except  # report and go on to the next
+    status = "oom" if is_out_of_memory(error) else "error"
+    message = str(error).strip().splitlines()
+    return {"preset": preset, "seq_len": args.seq_len, "batch_per_device": args.batch,
+            "grad_accum": args.grad_accum, "remat": args.remat, "status": status,
+            "error": message[0][:500] if message else type(error).__name__,
+            **({"traceback": traceback.format_exc()[-4000:]} if status == "error" else {})}
+
+
+def run_in_child(preset: str, args: argparse.Namespace, argv: list[str]) -> dict:
+  """Runs `preset` in a fresh Python process (same flags) and returns its result line."""
+  command = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--presets", preset,
+             "--in_process", "--json", ""]
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s,
+                          check=False)
+  except subprocess.TimeoutExpired:
+    return {"preset": preset, "status": "error", "error": f"timed out after {args.timeout_s} s"}
+  for line in done.stdout.splitlines():
+    if line.startswith(RESULT_PREFIX):
+      return json.loads(line[len(RESULT_PREFIX):])
+  # No result line: the child died (e.g. killed by the OS for host memory).
+  tail = (done.stderr or done.stdout)[-2000:]
+  status = "oom" if is_out_of_memory(Exception(tail)) else "error"
+  return {"preset": preset, "status": status,
+          "error": f"child exited with status {done.returncode}: {tail.strip()[-500:]}"}
+
+
+def _cell(value, fmt: str) -> str:
+  return "-" if value is None else format(value, fmt)
+
+
+def markdown_table(results: list[dict]) -> str:
+  lines = ["| preset | status | T | batch/dev x accum | remat | step s | tokens/s | MFU |"
+           " peak GiB | compile s |", "|" + "---|" * 10]
+  for r in results:
+    lines.append(
+        f"| {r['preset']} | {r['status']} | {r.get('seq_len', '-')} |"
+        f" {r.get('batch_per_device', '-')} x {r.get('grad_accum', '-')} | {r.get('remat', '-')} |"
+        f" {_cell(r.get('step_time_s'), '.3f')} | {_cell(r.get('tokens_per_s'), ',.0f')} |"
+        f" {_cell(r.get('mfu'), '.1%')} | {_cell(r.get('peak_memory_gib'), '.1f')} |"
+        f" {_cell(r.get('compile_s'), '.1f')} |")
+  return "\n".join(lines)
+
+
+def _argv_without_presets(argv: list[str]) -> list[str]:
+  """The command line minus --presets (and its values), --json and --in_process."""
+  kept, skipping = [], False
+  for arg in argv:
+    if arg.startswith("--"):
+      skipping = arg in ("--presets", "--json")
+      if skipping or arg == "--in_process" or arg.startswith(("--presets=", "--json=")):
+        continue
+    elif skipping:
+      continue
+    kept.append(arg)
+  return kept
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  if args.mem_fraction is not None:  # read when JAX starts its GPU client (here or in children)
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+  child_argv = _argv_without_presets(argv)
+  results = []
+  for preset in args.presets:
+    result = run_one(preset, args) if args.in_process else run_in_child(preset, args, child_argv)
+    results.append(result)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    if result["status"] != "ok":
+      print(f"{preset}: {result['status']}: {result['error']}", file=sys.stderr, flush=True)
+  if not args.in_process or len(results) > 1:
+    print(markdown_table(results))
+    print("command: python tools/bench_train.py " + " ".join(argv))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+  return 0 if all(r["status"] in ("ok", "oom") for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
