@@ -161,3 +161,29 @@ def load_tokenizer(path: str | os.PathLike | None = None, *, bos_token: str | No
     return SentencePieceTokenizer(path)
   raise ValueError(f"unknown tokenizer file {path}: expected a HF tokenizers .json file, a"
                    " directory holding tokenizer.json, or a SentencePiece .model file")
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, *, vocab_size: int,
+                  add_bos: bool = True) -> list[int]:
+  """Token ids of a generation / evaluation prompt for a model with `vocab_size` ids.
+
+  BOS is prepended (training packs every document as BOS + text, §8.2) when the tokenizer has one
+  that the model's vocabulary holds: the byte tokenizer's BOS (256) does not exist in a 256-id
+  tiny model, whose prompts then start with the text. Raises ValueError when a text id falls
+  outside the model's vocabulary (a tokenizer that does not fit the model).
+  """
+  ids = tokenizer.encode(text)
+  bad = [i for i in ids if not 0 <= i < vocab_size]
+  if bad:
+    raise ValueError(f"tokenizer {tokenizer.name!r}: id {bad[0]} of the prompt is outside the"
+                     f" model's vocabulary of {vocab_size}")
+  bos = tokenizer.bos_id
+  if add_bos and bos is not None and bos < vocab_size:
+    return [bos] + ids
+  return ids
+
+
+def stop_ids(tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
+  """The tokenizer's EOS as a generation stop id, when the model's vocabulary holds it."""
+  eos = tokenizer.eos_id
+  return (eos,) if eos is not None and eos < vocab_size else ()

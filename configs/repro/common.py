@@ -1,0 +1,80 @@
+"""The reproduction study's shared budget: six small hybrids trained alike on a recall curriculum.
+
+Every model is its tiny preset (`<variant>-tiny`: vocab 256, hidden 64, 4 layers = 2 (GDN, mixer)
+pairs, GQA 4 query / 2 KV heads of 16 dims, the same MLPs), so the models differ only in their
+mixers; parameter counts are reported next to the results. Windows and state sizes make the test
+need retrieval beyond the window:
+- SWA: 64 keys; laLTE: w = 63 (64 keys) and cap b = 32 kept out-of-window tokens per head;
+  laNSA: 64-key window, 4 selected blocks of 16 (the forced first / previous / current included);
+- GDN: 2 heads of 32 x 32 state per layer, the only long-range memory of GDN and GDN+SWA;
+- GDN+Attn and the Transformer have full attention (the upper bound).
+Training: 256-token sequences, one third each of short-gap MQAR (zoology power law, 8 pairs),
+long-gap MQAR (`min_gap = LONG_GAP` = 63: every queried pair beyond all windows) and passkey
+(S-NIAH-1 in token ids); evaluation at 256, 512 and 1024 tokens (4x the training length).
+`tools/repro.py` trains and evaluates all of them; `--smoke` shrinks everything for a CPU check.
+One model alone (on the trainer's long-gap MQAR only, not the full curriculum):
+`python -m train --config configs/repro/common.py:lalte` (any name of MODELS).
+"""
+
+from __future__ import annotations
+
+from train.config import TrainConfig
+
+MODELS = ("gdn", "gdn_swa", "lalte", "lansa", "gdn_attn", "transformer")
+LONG_GAP = 63  # window of 64 keys (current included) -> min_gap 63 (MQARSource docstring)
+NUM_KV_PAIRS = 8
+EVAL_LENGTHS = (256, 512, 1024)
+
+_SHARED = {"num_layers": 4}
+_MIXER = {
+    "gdn_swa": {"attention.window_size": 64},
+    "lalte": {"lte.window": 63, "lte.cap": 32},
+    "lansa": {"nsa.window_size": 64, "nsa.block_size": 16, "nsa.block_count": 4},
+}
+# --smoke: 2 layers, tiny windows, a few steps; checks the pipeline, not the models.
+_SMOKE_SHARED = {"num_layers": 2}
+_SMOKE_MIXER = {
+    "gdn_swa": {"attention.window_size": 16},
+    "lalte": {"lte.window": 15, "lte.cap": 8},
+    "lansa": {"nsa.window_size": 16, "nsa.block_size": 8, "nsa.block_count": 3},
+}
+SMOKE_LONG_GAP = 15
+SMOKE_EVAL_LENGTHS = (64,)
+
+
+def _layer_pattern(variant: str, num_layers: int) -> tuple[str, ...]:
+  if variant == "transformer":
+    return ("attention",) * num_layers
+  mixer = {"gdn": "gdn", "gdn_swa": "attention", "gdn_attn": "attention", "lalte": "lte",
+           "lansa": "nsa"}[variant]
+  return tuple(mixer if i % 2 else "gdn" for i in range(num_layers))
+
+
+def repro_config(variant: str, *, smoke: bool = False, output_dir: str = "") -> TrainConfig:
+  """The study's TrainConfig of `variant` (one of MODELS)."""
+  if variant not in MODELS:
+    raise ValueError(f"variant: {variant!r} is not one of {MODELS}")
+  overrides = dict(_SHARED)
+  overrides.update(_MIXER.get(variant, {}))
+  if smoke:
+    overrides.update(_SMOKE_SHARED)
+    overrides.update(_SMOKE_MIXER.get(variant, {}))
+  overrides["layer_pattern"] = _layer_pattern(variant, overrides["num_layers"])
+  config = TrainConfig(
+      variant=variant, size="tiny", model_dtype="bfloat16", model_overrides=overrides,
+      data="mqar", seq_len=256, mqar_num_kv_pairs=NUM_KV_PAIRS, mqar_min_gap=LONG_GAP,
+      num_train_examples=1_000_000, num_eval_examples=256,
+      global_batch_size=64, steps=1200, warmup_steps=60, lr=3e-3, lr_min_ratio=0.1,
+      seed=42, output_dir=output_dir or f"runs/repro/{variant}", log_every=25, eval_batches=4,
+      tensorboard=False, progress_bar=True)
+  if smoke:
+    config = config.replace(seq_len=64, mqar_num_kv_pairs=4, mqar_min_gap=SMOKE_LONG_GAP,
+                            global_batch_size=4, steps=3, warmup_steps=1, log_every=1,
+                            eval_batches=1, num_eval_examples=8, progress_bar=False,
+                            lte_update_every=2)
+  return config
+
+
+def get_config(variant: str) -> TrainConfig:
+  """`python -m train --config configs/repro/common.py:<variant>`."""
+  return repro_config(variant)

@@ -1,0 +1,36 @@
+"""tools/repro.py --smoke and tools/plot_results.py end to end on the CPU (one model, 3 steps)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def load_tool(name):
+  spec = importlib.util.spec_from_file_location(f"_tool_{name}", ROOT / "tools" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.slow
+def test_smoke_study_writes_results_and_figures(tmp_path):
+  payload = load_tool("repro").main(["--smoke", "--models", "lalte", "--out", str(tmp_path),
+                                     "--num-examples", "2", "--batch-size", "2"])
+  stored = json.loads((tmp_path / "results.json").read_text())
+  assert stored["results"] == json.loads(json.dumps(payload["results"]))
+  assert [(r["task"], r["length"]) for r in stored["results"]] == [("mqar_long_gap", 64),
+                                                                   ("passkey", 64)]
+  assert all(r["model"] == "lalte" and 0 <= r["value"] <= 100 for r in stored["results"])
+  assert (tmp_path / "lalte" / "export" / "model.json").is_file()
+  retention = json.loads((tmp_path / "lalte" / "retention.json").read_text())
+  assert len(retention["rate_oow"]) == 1 and len(retention["rate_oow"][0]) == 2  # [L_lte, Hkv]
+  assert "| lalte |" in (tmp_path / "results.md").read_text()
+  pytest.importorskip("matplotlib")
+  written = load_tool("plot_results").main(["--results", str(tmp_path)])
+  assert sorted(p.name for p in written) == ["accuracy_vs_length.png", "lte_controller.png",
+                                             "retention_heatmap.png"]
+  assert all(p.stat().st_size > 1000 for p in written)
