@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dispatch import Implementation, resolve
+from pallas_kernels.dispatch import Implementation, on_gpu, resolve
 from pallas_kernels.masked_attention import pallas, reference
 from pallas_kernels.masked_attention.reference import attention_mask
 
@@ -71,7 +71,7 @@ def _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key
   """
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   return (
-      jax.default_backend() == "gpu"
+      on_gpu()
       and jnp.dtype(q_BTHD.dtype) in half
       and q_BTHD.dtype == k_BSKD.dtype == v_BSKD.dtype
       and q_BTHD.shape[-1] in (64, 128) and v_BSKD.shape[-1] == q_BTHD.shape[-1]
@@ -126,15 +126,18 @@ def masked_attention(
     float32 (float64 for float64 inputs).
   """
   _check_arguments(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS)
-  version = resolve("masked_attention", implementation,
-                    {"xla": reference.masked_attention, "pallas": pallas.masked_attention})
-  if implementation is None and version is pallas.masked_attention:
+  if implementation is None and on_gpu():
+    # The GPU default is chosen here rather than by `resolve`: cuDNN comes first where it applies.
     if _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS):
       return _cudnn_attention(q_BTHD, k_BSKD, v_BSKD, scale=scale, window_size=window_size)
     try:
       pallas.check_supported(q_BTHD, k_BSKD, v_BSKD, interpret=False)
+      version = pallas.masked_attention
     except NotImplementedError:
       version = reference.masked_attention
+  else:
+    version = resolve("masked_attention", implementation,
+                      {"xla": reference.masked_attention, "pallas": pallas.masked_attention})
   return version(
       q_BTHD, k_BSKD, v_BSKD, scale=scale, window_size=window_size, num_sinks=num_sinks,
       kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)

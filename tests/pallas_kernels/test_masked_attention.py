@@ -266,3 +266,24 @@ def test_bad_arguments_raise_value_error(case):
       kwargs[name] = jnp.asarray(kwargs[name])
   with pytest.raises(ValueError, match=message):
     masked_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), **kwargs)
+
+
+def test_gpu_default_routes_plain_windows_to_cudnn_and_lte_masks_to_pallas(monkeypatch):
+  """implementation=None on a GPU: cuDNN where it covers the mask, the Pallas kernel otherwise.
+  Checked on any backend by standing in for the GPU and both versions (shapes used nowhere else,
+  so no earlier trace is reused)."""
+  import pallas_kernels.masked_attention as entry  # pylint: disable=import-outside-toplevel
+  calls = []
+  monkeypatch.setattr(entry, "on_gpu", lambda: True)
+  monkeypatch.setattr(entry, "_cudnn_attention",
+                      lambda q, k, v, **kwargs: calls.append("cudnn") or jnp.zeros_like(q))
+  monkeypatch.setattr(entry.pallas, "masked_attention",
+                      lambda q, k, v, **kwargs: calls.append("pallas") or jnp.zeros_like(q))
+  monkeypatch.setattr(entry.pallas, "check_supported", lambda *args, **kwargs: None)
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(1, 23, 4, 64)), jnp.bfloat16)
+  k = v = jnp.asarray(rng.normal(size=(1, 23, 2, 64)), jnp.bfloat16)
+  entry.masked_attention(q, k, v, window_size=7)
+  kept = jnp.asarray(rng.random((1, 23, 2)) < 0.3)
+  entry.masked_attention(q, k, v, window_size=7, num_sinks=1, kept_BSK=kept)
+  assert calls == ["cudnn", "pallas"]
