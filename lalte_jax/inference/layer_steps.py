@@ -8,6 +8,8 @@ continue from any state.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from lalte_jax.inference.caches import GDNCache, KVCache, NSACache
 from lalte_jax.inference.nsa_decode import nsa_decode_attention
 from lalte_jax.layers.rope import apply_rope, default_positions
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.gated_delta_rule import (chunk_gated_delta_rule,
+from pallas_kernels.gated_delta_rule import (ChunkConfig, chunk_gated_delta_rule,
                                              fused_recurrent_gated_delta_rule)
 from pallas_kernels.masked_attention import masked_attention
 from pallas_kernels.nsa import nsa_attention
@@ -80,7 +82,11 @@ def gdn_step(layer, x_BTD: jax.Array, cache: GDNCache, ctx: StepContext
   # g = 0 (no decay) and beta = 0 (no write) make a pad an identity step of the recurrence.
   g_BTH = jnp.where(ctx.valid_BT[:, :, None], g_BTH, 0.0)
   beta_BTH = jnp.where(ctx.valid_BT[:, :, None], beta_BTH, 0.0)
-  kernel = fused_recurrent_gated_delta_rule if length == 1 else chunk_gated_delta_rule
+  if length == 1:
+    kernel = fused_recurrent_gated_delta_rule
+  else:
+    kernel = functools.partial(chunk_gated_delta_rule,
+                               config=ChunkConfig(chunk_size=gdn.chunk_size))
   o_BTHV, state_BHKV = kernel(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH,
                               initial_state=cache.state_BHKV, output_final_state=True,
                               use_qk_l2norm=True, implementation=gdn.implementation)

@@ -17,7 +17,7 @@ from lalte_jax.config import ModelConfig
 from lalte_jax.layers.norms import rms_normalize
 from lalte_jax.layers.short_conv import ShortConv
 from lalte_jax.mixers.projections import input_projection, output_projection
-from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
+from pallas_kernels.gated_delta_rule import ChunkConfig, chunk_gated_delta_rule
 
 
 def init_a_log(key: jax.Array, num_heads: int) -> jax.Array:
@@ -83,5 +83,6 @@ class GatedDeltaNet(nnx.Module):
     v_BTHV = self.v_conv(self.v_proj(x_BTD)).reshape(*heads, gdn.value_dim)
     g_BTH, beta_BTH = self.gates(x_BTD)
     o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH,
-                                       use_qk_l2norm=True, implementation=gdn.implementation)
+                                       use_qk_l2norm=True, implementation=gdn.implementation,
+                                       config=ChunkConfig(chunk_size=gdn.chunk_size))
     return self.output(o_BTHV, x_BTD)

@@ -116,3 +116,24 @@ def test_gdn_layer_gates_follow_the_reference_formulas():
       np.exp(a + np.asarray(layer.dt_bias[...])))
   np.testing.assert_allclose(np.asarray(g), expected_g, rtol=1e-5)
   assert np.all(np.asarray(g) < 0) and np.all((np.asarray(beta) > 0) & (np.asarray(beta) < 1))
+
+
+def test_gdn_layer_uses_its_configured_chunk_size(monkeypatch):
+  """GDNConfig.chunk_size reaches the chunked kernel, and the output does not depend on it."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from lalte_jax.mixers import gdn as gdn_module  # pylint: disable=import-outside-toplevel
+  base = get_model_config("gdn-tiny")
+  x_BTD = jax.random.normal(jax.random.key(0), (1, 45, base.hidden_size))
+  seen, outputs = [], []
+  real_op = gdn_module.chunk_gated_delta_rule
+
+  def spy(*args, config=None, **kwargs):
+    seen.append(config.chunk_size)
+    return real_op(*args, config=config, **kwargs)
+
+  monkeypatch.setattr(gdn_module, "chunk_gated_delta_rule", spy)
+  for chunk_size in (16, 64):
+    config = dataclasses.replace(base, gdn=dataclasses.replace(base.gdn, chunk_size=chunk_size))
+    outputs.append(GatedDeltaNet(config, rngs=nnx.Rngs(0))(x_BTD))
+  assert seen == [16, 64]
+  np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
