@@ -77,6 +77,24 @@ def _to_python(value):
   return array.tolist()
 
 
+def _drop_records_after(path: pathlib.Path, step: int) -> None:
+  """Keeps the records of steps <= `step`: a run resumed from a checkpoint at `step` redoes the
+  later ones, so the log holds every step once (a torn last line from a kill is dropped too)."""
+  if not path.exists():
+    return
+  kept = []
+  for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict) and record.get("step", 0) <= step:
+      kept.append(line + "\n")
+  temporary = path.with_suffix(".jsonl.tmp")
+  temporary.write_text("".join(kept), encoding="utf-8")
+  temporary.replace(path)
+
+
 class MetricsLogger:
   """Writes `metrics.jsonl` (and TensorBoard events) under `output_dir`; drives the progress bar."""
 
@@ -88,7 +106,9 @@ class MetricsLogger:
       return
     self.output_dir = pathlib.Path(output_dir)
     self.output_dir.mkdir(parents=True, exist_ok=True)
-    self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
+    jsonl_path = self.output_dir / "metrics.jsonl"
+    _drop_records_after(jsonl_path, initial_step)
+    self._jsonl = open(jsonl_path, "a", encoding="utf-8")
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel

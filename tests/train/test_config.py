@@ -75,3 +75,18 @@ def test_config_file_with_argument_selects_one_experiment_of_a_family():
   assert config.model_config().layer_pattern == ("gdn", "lte", "gdn", "lte")
   with pytest.raises(ValueError, match="variant"):
     load_config("configs/repro/common.py:mamba")
+
+
+def test_metrics_log_drops_the_records_a_resumed_run_redoes(tmp_path):
+  logger = MetricsLogger(tmp_path, total_steps=5, tensorboard=False, progress_bar=False)
+  for step in range(1, 6):
+    logger.log(step, {"loss": float(step)})
+  logger.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as torn:
+    torn.write('{"step": 6, "lo')  # a kill in the middle of a write
+  resumed = MetricsLogger(tmp_path, total_steps=5, initial_step=3, tensorboard=False,
+                          progress_bar=False)
+  resumed.log(4, {"loss": 40.0})
+  resumed.close()
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
