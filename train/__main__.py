@@ -9,7 +9,7 @@ when started again with the same output_dir (see train/checkpointing.py); at the
 the parameters for inference into <output_dir>/export. SIGTERM or SIGINT (Ctrl-C) saves the
 current step and exits 0; running the same command again continues from there.
 Exit codes: 0 done (or stopped by a signal after saving), 2 bad configuration, 3 stopped after
-too many non-finite-gradient steps.
+too many non-finite-gradient steps, 4 no step finished within step_timeout_s (train/watchdog.py).
 """
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ class TrainConfig:
   weight_decay: float = 0.1
   clip_norm: float = 1.0
   max_consecutive_skips: int = 10
+  # End the process (exit 4) when no step finishes for this long (0: off); for multi-host runs,
+  # where a stuck but living peer would otherwise hang every process (train/watchdog.py).
+  step_timeout_s: float = 0.0
   # LTE sparsity controller (§4.6).
   lte_lambda_init: float = 1e-9
   lte_lambda_min: float = 1e-9
@@ -117,6 +120,8 @@ class TrainConfig:
                  "lte_lambda_min", "lte_lambda_max", "lte_alpha_up", "lte_alpha_down",
                  "lte_update_every", "mesh_fsdp", "mesh_tensor", "log_every", "eval_batches"):
       _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)!r}")
+    _require(self.step_timeout_s >= 0, "step_timeout_s",
+             f"must be >= 0 (0 disables the watchdog), got {self.step_timeout_s!r}")
     _require(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data",
              f"must be positive or -1 (all remaining devices), got {self.mesh_data}")
     _require(self.warmup_steps < self.steps, "warmup_steps",

@@ -33,6 +33,7 @@ from train.config import TrainConfig
 from train.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
 from train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
                         masked_cross_entropy_sum, model_graphdef)
+from train.watchdog import StepWatchdog
 
 
 def make_source(config: TrainConfig, *, split: str):
@@ -178,33 +179,36 @@ class Trainer:
     previous = None
     interval_start, interval_steps, wall_start = None, 0, time.perf_counter()
     host = {}
-    for step in range(start_step + 1, config.steps + 1):
-      metrics = self.train_step(next(self.data_iterator))
-      # Check the previous step while this one runs: no device sync per step on the hot path.
-      if previous is not None:
-        check_skipped_steps(sharding.to_host(previous["skipped_consecutive"]), step - 1,
-                            config.max_consecutive_skips)
-      previous = metrics
-      if interval_start is None:  # time from the end of the first (compiling) step
-        jax.block_until_ready(metrics["loss"])
-        interval_start = time.perf_counter()
-      else:
-        interval_steps += 1
-      if step % config.log_every == 0 or step == config.steps:
-        host = sharding.to_host(metrics)
-        check_skipped_steps(host["skipped_consecutive"], step, config.max_consecutive_skips)
-        host.update(self._throughput(interval_steps, time.perf_counter() - interval_start))
-        self.logger.log(step, host)
-        interval_start, interval_steps = time.perf_counter(), 0
-      for callback in self.callbacks:
-        callback(self, step)
-      self.logger.advance(step)
-      if (self.checkpoints is not None and config.checkpoint_every
-          and step % config.checkpoint_every == 0 and step < config.steps):
-        self.checkpoints.save(step, self.state, self.data_iterator)  # async; the end saves anyway
-      if stop is not None and stop.stop_now():
-        return {"stopped_at": step, "signal": stop.signal_name or "another process",
-                "elapsed_s": time.perf_counter() - wall_start}
+    with StepWatchdog(config.step_timeout_s) as watchdog:
+      for step in range(start_step + 1, config.steps + 1):
+        metrics = self.train_step(next(self.data_iterator))
+        # Check the previous step while this one runs: no device sync per step on the hot path.
+        if previous is not None:
+          check_skipped_steps(sharding.to_host(previous["skipped_consecutive"]), step - 1,
+                              config.max_consecutive_skips)
+        previous = metrics
+        if interval_start is None:  # time from the end of the first (compiling) step
+          jax.block_until_ready(metrics["loss"])
+          interval_start = time.perf_counter()
+        else:
+          interval_steps += 1
+        if step % config.log_every == 0 or step == config.steps:
+          host = sharding.to_host(metrics)
+          check_skipped_steps(host["skipped_consecutive"], step, config.max_consecutive_skips)
+          host.update(self._throughput(interval_steps, time.perf_counter() - interval_start))
+          self.logger.log(step, host)
+          interval_start, interval_steps = time.perf_counter(), 0
+        for callback in self.callbacks:
+          callback(self, step)
+        self.logger.advance(step)
+        if (self.checkpoints is not None and config.checkpoint_every
+            and step % config.checkpoint_every == 0 and step < config.steps):
+          # Asynchronous; the end of the run saves anyway.
+          self.checkpoints.save(step, self.state, self.data_iterator)
+        watchdog.feed()
+        if stop is not None and stop.stop_now():
+          return {"stopped_at": step, "signal": stop.signal_name or "another process",
+                  "elapsed_s": time.perf_counter() - wall_start}
     if previous is not None:
       check_skipped_steps(sharding.to_host(previous["skipped_consecutive"]), config.steps,
                           config.max_consecutive_skips)

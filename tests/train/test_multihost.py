@@ -21,10 +21,12 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_mqar.py"
 # float32 so that 1e-6 is meaningful; fsdp=2 shards the parameters across the two processes;
-# two micro-batches exercise accumulation; a metrics record every step.
+# two micro-batches exercise accumulation; a metrics record every step; the step watchdog armed
+# (it must stay quiet).
 COMMON_SETTINGS = ("model_dtype=float32", "seq_len=64", "global_batch_size=8", "warmup_steps=1",
                    "lr=3e-3", "mesh_fsdp=2", "log_every=1", "eval_batches=1",
-                   "num_eval_examples=8", "progress_bar=false", "tensorboard=false")
+                   "num_eval_examples=8", "progress_bar=false", "tensorboard=false",
+                   "step_timeout_s=600")
 COMPARED_METRICS = ("loss", "ce_loss", "grad_norm", "lte_retained")
 
 
