@@ -9,6 +9,12 @@ searched recursively for those suffixes, in sorted order. Documents are packed a
 §8.2 says (BOS per document, no EOS, concatenated, cut into --seq-len sequences, tail dropped); the
 format is described in lalte_jax/data/pretokenized.py. Read the result with
 `lalte_jax.data.PretokenizedSource(output_dir)`.
+
+On a machine that can reach the Hugging Face hub, a dataset can be streamed instead of read from
+files (needs the `datasets` package; nothing is downloaded in full, and the tests never go online):
+
+  python tools/prepare_data.py --hf-dataset HuggingFaceFW/fineweb-edu --hf-config sample-10BT \
+      --max-tokens 10_000_000_000 --output-dir data/fineweb_edu_4096 --tokenizer tokenizer.json
 """
 
 from __future__ import annotations
@@ -81,6 +87,20 @@ def read_documents(path: pathlib.Path, *, text_field: str, txt_document: str) ->
       yield from batch.column(0).to_pylist()
 
 
+def stream_hf_documents(name: str, *, config: str | None, split: str,
+                        text_field: str) -> Iterator[str]:
+  """Texts of a Hugging Face dataset, streamed (`datasets.load_dataset(..., streaming=True)`)."""
+  try:
+    import datasets  # pylint: disable=import-outside-toplevel
+  except ImportError as error:
+    raise ImportError("--hf-dataset needs the `datasets` package (pip install datasets)") from error
+  for row in datasets.load_dataset(name, config, split=split, streaming=True):
+    if text_field not in row:
+      raise ValueError(f"--hf-dataset {name}: rows have no field {text_field!r} (fields:"
+                       f" {sorted(row)}); choose one with --text-field")
+    yield row[text_field]
+
+
 def _batched(items: Iterator[str], size: int) -> Iterator[list[str]]:
   batch = []
   for item in items:
@@ -94,8 +114,13 @@ def _batched(items: Iterator[str], size: int) -> Iterator[list[str]]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-  parser.add_argument("--input", nargs="+", required=True,
-                      help=".txt/.jsonl/.parquet files or directories")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--input", nargs="+", help=".txt/.jsonl/.parquet files or directories")
+  source.add_argument("--hf-dataset", help="a Hugging Face dataset name, streamed (online only)")
+  parser.add_argument("--hf-config", default=None, help="its configuration (subset) name")
+  parser.add_argument("--hf-split", default="train")
+  parser.add_argument("--max-tokens", type=int, default=None,
+                      help="stop once this many tokens are packed (for streamed corpora)")
   parser.add_argument("--output-dir", required=True, help="new (or empty) directory for the shards")
   parser.add_argument("--seq-len", type=int, default=4096)
   parser.add_argument("--tokenizer", default=None,
@@ -111,12 +136,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def _sources(args: argparse.Namespace,
+             files: list[pathlib.Path]) -> Iterator[tuple[str, Iterator[str]]]:
+  """(name, documents) per input: each local file, or the one streamed dataset."""
+  if args.hf_dataset:
+    yield args.hf_dataset, stream_hf_documents(args.hf_dataset, config=args.hf_config,
+                                               split=args.hf_split, text_field=args.text_field)
+  for path in files:
+    yield path.name, read_documents(path, text_field=args.text_field,
+                                    txt_document=args.txt_document)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   """Runs the CLI; returns the metadata written."""
   args = parse_args(argv)
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
 
-  files = expand_inputs(args.input)
+  if args.max_tokens is not None and args.max_tokens < args.seq_len:
+    raise ValueError(f"--max-tokens {args.max_tokens} is less than one sequence ({args.seq_len})")
+  files = expand_inputs(args.input) if args.input else []
   tokenizer = load_tokenizer(args.tokenizer, bos_token=args.bos_token)
   if tokenizer.bos_id is None:
     raise ValueError(f"tokenizer {tokenizer.name} has no BOS token; name it with --bos-token")
@@ -129,15 +167,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
   with ShardWriter(output_dir, args.seq_len, sequences_per_shard=args.sequences_per_shard,
                    prefix=args.prefix) as writer, \
        tqdm(unit=" docs", disable=args.no_progress, desc="tokenizing") as progress:
-    for path in files:
-      progress.set_description_str(path.name)
-      documents = read_documents(path, text_field=args.text_field, txt_document=args.txt_document)
+    for name, documents in _sources(args, files):
+      progress.set_description_str(name)
       for texts in _batched(documents, _ENCODE_BATCH):
         for token_ids in tokenizer.encode_batch(texts):
           for sequence in packer.add_document(token_ids):
             writer.write(sequence)
         progress.update(len(texts))
         progress.set_postfix(tokens=packer.num_tokens, refresh=False)
+        if args.max_tokens is not None and packer.num_tokens >= args.max_tokens:
+          break
+      if args.max_tokens is not None and packer.num_tokens >= args.max_tokens:
+        break
 
   if not writer.shards:
     raise ValueError(f"the inputs hold {packer.num_tokens} tokens, fewer than one sequence of"
@@ -153,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
       "num_tokens": packer.num_tokens,
       "num_dropped_tokens": packer.num_dropped_tokens,
       "shards": writer.shards,
-      "inputs": [os.fspath(path) for path in files],
+      "inputs": ([os.fspath(path) for path in files] if files else
+                 [f"hf:{args.hf_dataset}/{args.hf_config or ''}:{args.hf_split}"]),
   }
   write_metadata(output_dir, metadata)
   print(f"{metadata['num_sequences']} sequences of {args.seq_len} tokens from"

@@ -374,3 +374,27 @@ def test_out_of_vocabulary_ids_are_refused():
     list(_pipeline(_IdentitySource(12), vocab_size=10, shuffle=False, num_epochs=1))
   with pytest.raises(ValueError, match="process_index"):
     _pipeline(_IdentitySource(12), process_index=2, process_count=2)
+
+
+def test_prepare_data_streams_a_hf_dataset_offline(tmp_path, monkeypatch):
+  """--hf-dataset streams through `datasets.load_dataset(..., streaming=True)`; a stand-in module
+  replaces the real one, so nothing goes online. --max-tokens stops the stream early."""
+  import sys  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  calls = []
+
+  def load_dataset(name, config, *, split, streaming):
+    calls.append((name, config, split, streaming))
+    return ({"text": f"streamed document {i} " * 3, "id": i} for i in range(10_000))
+
+  monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+  metadata = _load_prepare_data().main([
+      "--hf-dataset", "org/corpus", "--hf-config", "sample", "--output-dir", str(tmp_path / "out"),
+      "--seq-len", "64", "--max-tokens", "5000", "--no-progress"])
+  assert calls == [("org/corpus", "sample", "train", True)]
+  assert 5000 <= metadata["num_tokens"] < 5000 + 256 * 70  # stopped within one encode batch
+  assert metadata["inputs"] == ["hf:org/corpus/sample:train"]
+  assert PretokenizedSource(tmp_path / "out").seq_len == 64
+  with pytest.raises(ValueError, match="no field 'body'"):
+    _load_prepare_data().main(["--hf-dataset", "org/corpus", "--text-field", "body",
+                               "--output-dir", str(tmp_path / "out2"), "--no-progress"])
