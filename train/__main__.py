@@ -39,15 +39,16 @@ def main(argv: list[str] | None = None) -> int:
                            " and every process aborts (default: LALTE_HEARTBEAT_TIMEOUT_S or 100)")
   args = parser.parse_args(argv)
 
-  from train import sharding  # pylint: disable=import-outside-toplevel
+  from train import distributed  # pylint: disable=import-outside-toplevel
   from train.config import load_config  # pylint: disable=import-outside-toplevel
   try:
     config = load_config(args.config, args.overrides)
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
-  sharding.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id,
-                                  heartbeat_timeout_seconds=args.heartbeat_timeout_s)
+  distributed.initialize_distributed(args.coordinator_address, args.num_processes,
+                                     args.process_id,
+                                     heartbeat_timeout_seconds=args.heartbeat_timeout_s)
 
   import jax  # pylint: disable=import-outside-toplevel
   from train.checkpointing import RunCheckpoints  # pylint: disable=import-outside-toplevel

@@ -24,9 +24,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-# Multi-process start-up lives in train/distributed.py; re-exported for existing callers.
-from train.distributed import initialize_distributed  # pylint: disable=unused-import
-
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # (path regex, dimension sharded over "tensor"); first match wins.

@@ -24,10 +24,10 @@ NUM_STEPS = 3
 
 def _child(process_id: int | None, port: int | None) -> None:
   import jax  # pylint: disable=import-outside-toplevel
-  from train import sharding  # pylint: disable=import-outside-toplevel
+  from train import distributed, sharding  # pylint: disable=import-outside-toplevel
   if process_id is not None:
-    sharding.initialize_distributed(f"localhost:{port}", 2, process_id,
-                                    heartbeat_timeout_seconds=30, initialization_timeout=120)
+    distributed.initialize_distributed(f"localhost:{port}", 2, process_id,
+                                       heartbeat_timeout_seconds=30, initialization_timeout=120)
   from train.config import TrainConfig  # pylint: disable=import-outside-toplevel
   from train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
   from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
