@@ -14,8 +14,9 @@ seed, `EVAL_SEED`, distinct from the trainer's train / eval seeds 42 / 43 by def
   `num_digits`-token value after the question; an example counts when all digits are right (the
   token analogue of RULER's string_match_all with a one-value gold list).
 
-`RecallMixture` interleaves sources of one sequence length into one training source: the
-reproduction study's curriculum (short- and long-gap MQAR plus passkey).
+`RecallMixture` interleaves sources of one sequence length into one training source, and
+`StagedCurriculum` plays sources one after another in example order: the reproduction study's
+curriculum (short-gap MQAR first, then short- and long-gap MQAR plus passkey).
 """
 
 from __future__ import annotations
@@ -129,12 +130,60 @@ class RecallMixture:
     return self.sources[index % count][index // count]
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedCurriculum:
+  """Element i comes from the first stage whose cumulative example count exceeds i: stage s holds
+  `stage_examples[s]` examples, the last stage the rest up to `num_examples`. Read it in order
+  (`make_dataset(..., shuffle=False)`): every element is already a fresh random example, so order
+  is the schedule. Stages index their sources from 0 (stage s's element j is `stages[s][j]`)."""
+  stages: tuple
+  stage_examples: tuple[int, ...]
+  num_examples: int
+
+  def __post_init__(self):
+    if len(self.stages) != len(self.stage_examples) + 1:
+      raise ValueError(f"StagedCurriculum.stage_examples: {len(self.stage_examples)} counts for"
+                       f" {len(self.stages)} stages; give one count per stage but the last")
+    if any(n <= 0 for n in self.stage_examples) or sum(self.stage_examples) >= self.num_examples:
+      raise ValueError(f"StagedCurriculum.stage_examples {self.stage_examples}: each must be"
+                       f" positive and together fewer than num_examples={self.num_examples}")
+    if len({(s.seq_len, s.vocab_size) for s in self.stages}) != 1:
+      raise ValueError("StagedCurriculum.stages: every stage needs the same seq_len and vocab_size")
+    bounds = self.stage_examples + (self.num_examples - sum(self.stage_examples),)
+    for stage, count in zip(self.stages, bounds):
+      if len(stage) < count:
+        raise ValueError(f"StagedCurriculum: {stage!r} holds {len(stage)} < {count} examples")
+
+  @property
+  def seq_len(self) -> int:
+    return self.stages[0].seq_len
+
+  @property
+  def vocab_size(self) -> int:
+    return self.stages[0].vocab_size
+
+  def __len__(self) -> int:
+    return self.num_examples
+
+  def __getitem__(self, index) -> dict[str, np.ndarray]:
+    index = operator.index(index)
+    if not 0 <= index < self.num_examples:
+      raise IndexError(f"index {index} out of range for a curriculum of {self.num_examples}")
+    for stage, count in zip(self.stages, self.stage_examples):
+      if index < count:
+        return stage[index]
+      index -= count
+    return self.stages[-1][index]
+
+
 def recall_curriculum(*, seq_len: int, vocab_size: int, num_kv_pairs: int, long_gap: int,
                       num_examples: int, seed: int,
-                      tasks: Sequence[str] = ("mqar", "mqar_long_gap", "passkey")
-                      ) -> RecallMixture:
-  """The reproduction study's training mixture: short-gap MQAR (zoology power law), long-gap MQAR
-  (`min_gap=long_gap`) and passkey, one third each by default."""
+                      tasks: Sequence[str] = ("mqar", "mqar_long_gap", "passkey"),
+                      warmup_examples: int = 0) -> RecallMixture | StagedCurriculum:
+  """The reproduction study's training data: short-gap MQAR (zoology power law), long-gap MQAR
+  (`min_gap=long_gap`) and passkey, one third each by default; with `warmup_examples` > 0 the
+  first that many examples are short-gap MQAR only (associative recall first, then gaps beyond
+  the windows), read in order (see `StagedCurriculum`)."""
   builders = {
       "mqar": lambda s: mqar_source(seq_len=seq_len, vocab_size=vocab_size,
                                     num_kv_pairs=num_kv_pairs, num_examples=num_examples, seed=s),
@@ -148,5 +197,9 @@ def recall_curriculum(*, seq_len: int, vocab_size: int, num_kv_pairs: int, long_
   if unknown or not tasks:
     raise ValueError(f"tasks: {list(tasks)} must be a non-empty subset of {sorted(builders)}")
   # Each task draws from its own seed so that tasks never share example streams.
-  return RecallMixture(tuple(builders[t](seed * 16 + i) for i, t in enumerate(tasks)),
-                       num_examples)
+  mixture = RecallMixture(tuple(builders[t](seed * 16 + i) for i, t in enumerate(tasks)),
+                          num_examples)
+  if warmup_examples <= 0:
+    return mixture
+  warmup = builders["mqar"](seed * 16 + len(builders))  # a stream of its own
+  return StagedCurriculum((warmup, mixture), (warmup_examples,), num_examples)
