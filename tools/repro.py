@@ -2,7 +2,7 @@
 process, evaluates each on long-gap MQAR and passkey (S-NIAH-1 in token ids) at lengths beyond
 the attention windows, and writes `results.json`, `results.md` and per-model runs under --out.
 
-    python tools/repro.py --out runs/repro                 # the study (GPU, ~8-10 minutes)
+    python tools/repro.py --out runs/repro --parallel 12    # the study (one GPU, ~8 minutes)
     python tools/repro.py --out /tmp/smoke --smoke         # pipeline check on a CPU
     python tools/plot_results.py --results runs/repro      # figures (see that script)
 
@@ -14,9 +14,14 @@ long-gap MQAR, passkey; `lalte_jax.eval.recall.recall_curriculum`). Long-gap MQA
 queried pair beyond every window (min_gap 63 for 64-key windows), so only the recurrent state,
 LTE's kept tokens, NSA's selected blocks or full attention can answer.
 
-Per model, under `--out/<model>`: the trainer's metrics.jsonl / summary.json, `export/` (the
-params-only checkpoint, usable with `python -m lalte_jax.eval`). For laLTE, `retention.json`
-holds the per-layer/per-head retention of the trained router (paper Fig. 5).
+Every model trains at each learning rate of the study's sweep (`LEARNING_RATES`); each (model,
+lr) run lives in `--out/runs/<model>_lr<lr>/` (the trainer's metrics.jsonl / summary.json,
+`export/` = the params-only checkpoint usable with `python -m lalte_jax.eval`, `records.json` = its
+evaluation, `log.txt` when run as a child process). Per model, the run with the best held-out
+long-gap recall during training (the trainer's own eval set, not the test examples) is reported;
+its metrics.jsonl, summary.json and, for laLTE, `retention.json` (per-layer/per-head retention of
+the trained router, paper Fig. 5) are copied to `--out/<model>/`. `--parallel N` runs N trainings
+at once as child processes: the tiny models leave a GPU mostly idle, so sharing it is nearly free.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 import time
 
@@ -67,8 +74,18 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=16, help="eval batch size")
   parser.add_argument("--implementation", default=None, choices=("xla", "pallas"),
                       help="kernel version of every token mixer (default: the platform's fastest)")
+  parser.add_argument("--lrs", help="comma-separated learning rates (default: the study's sweep)")
+  parser.add_argument("--parallel", type=int, default=1,
+                      help="trainings run at once as child processes (1: all in this process)")
+  parser.add_argument("--deadline-s", type=float, default=None,
+                      help="with --parallel: stop child runs still going after this many seconds"
+                           " and report the finished ones")
   parser.add_argument("--smoke", action="store_true", help="tiny models and steps (CPU check)")
-  return parser.parse_args(argv)
+  parser.add_argument("--single-run", help=argparse.SUPPRESS)  # "<model>:<lr>", child mode
+  args = parser.parse_args(argv)
+  if args.parallel < 1:
+    parser.error(f"--parallel must be >= 1, got {args.parallel}")
+  return args
 
 
 def retention_stats(model, curriculum, num_sequences: int = 16) -> dict:
@@ -88,11 +105,16 @@ def retention_stats(model, curriculum, num_sequences: int = 16) -> dict:
           "cap": model.config.lte.cap, "num_sequences": num_sequences}
 
 
-def train_and_evaluate(variant: str, args, common) -> list[dict]:
+def run_dir(out: pathlib.Path, variant: str, lr: float) -> pathlib.Path:
+  return out / "runs" / f"{variant}_lr{lr:g}"
+
+
+def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
+  """Trains one (model, lr) run on the curriculum, evaluates it, writes its records.json."""
   from train.export import export_state_params  # pylint: disable=import-outside-toplevel
   from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
-  out = pathlib.Path(args.out)
-  config = common.repro_config(variant, smoke=args.smoke, output_dir=str(out / variant))
+  directory = run_dir(pathlib.Path(args.out), variant, lr)
+  config = common.repro_config(variant, smoke=args.smoke, output_dir=str(directory), lr=lr)
   if args.steps is not None:
     config = config.replace(steps=args.steps, warmup_steps=min(config.warmup_steps,
                                                                args.steps - 1))
@@ -104,21 +126,24 @@ def train_and_evaluate(variant: str, args, common) -> list[dict]:
   lengths = (tuple(int(n) for n in args.lengths.split(",")) if args.lengths
              else common.SMOKE_EVAL_LENGTHS if args.smoke else common.EVAL_LENGTHS)
   model_config = config.model_config()
+  # Short-gap MQAR alone for the first SHORT_GAP_STEPS (scaled with --steps), read in order.
+  short_gap_steps = common.SHORT_GAP_STEPS * config.steps // common.STEPS
   curriculum = recall.recall_curriculum(
       seq_len=config.seq_len, vocab_size=model_config.vocab_size,
       num_kv_pairs=config.mqar_num_kv_pairs, long_gap=long_gap,
-      num_examples=config.num_train_examples, seed=config.seed)
-  print(f"== {variant}: {count_parameters(model_config):,} parameters, {config.steps} steps",
-        flush=True)
+      num_examples=config.num_train_examples, seed=config.seed,
+      warmup_examples=short_gap_steps * config.global_batch_size)
+  print(f"== {variant} lr {lr:g}: {count_parameters(model_config):,} parameters, {config.steps}"
+        f" steps ({short_gap_steps} short-gap first)", flush=True)
   start = time.perf_counter()
   trainer = Trainer(config)
   trainer.data_iterator = make_dataset(
       curriculum, batch_size_per_process=config.global_batch_size // jax.process_count(),
-      seed=config.seed, shuffle=True, process_index=jax.process_index(),
+      seed=config.seed, shuffle=False, process_index=jax.process_index(),
       process_count=jax.process_count())
   summary = trainer.run()
   train_seconds = time.perf_counter() - start
-  export_dir = out / variant / "export"
+  export_dir = directory / "export"
   if not (export_dir / "model.json").is_file():  # the trainer may export by itself
     export_state_params(trainer.state.params, trainer.model_config, export_dir)
   model = checkpoint.load_model(export_dir, dtype="float32")
@@ -132,39 +157,118 @@ def train_and_evaluate(variant: str, args, common) -> list[dict]:
         num_kv_pairs=config.mqar_num_kv_pairs, long_gap=long_gap, num_examples=64,
         seed=recall.EVAL_SEED)
     stats = retention_stats(model, eval_curriculum)
-    (out / variant / "retention.json").write_text(json.dumps(stats, indent=2) + "\n")
+    (directory / "retention.json").write_text(json.dumps(stats, indent=2) + "\n")
   for record in records:
-    record.update(model=variant, params=count_parameters(model_config),
+    record.update(model=variant, lr=lr, params=count_parameters(model_config),
                   train_s=round(train_seconds, 1),
                   train_recall=summary.get("eval_recall_accuracy"))
+  (directory / "records.json").write_text(json.dumps(records, indent=2, default=str) + "\n")
   return records
 
 
-def _write(args, common, models, records):
+def run_children(jobs, args, argv) -> None:
+  """Runs each (model, lr) of `jobs` as `repro.py --single-run`, `args.parallel` at a time."""
+  out = pathlib.Path(args.out)
+  pending, running = list(jobs), []
+  deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+  while pending or running:
+    if deadline is not None and time.monotonic() > deadline:
+      for variant, lr, process, log in running:
+        process.kill()
+        process.wait()
+        log.close()
+        print(f"   {variant} lr {lr:g}: stopped at the deadline", flush=True)
+      for variant, lr in pending:
+        print(f"   {variant} lr {lr:g}: not started before the deadline", flush=True)
+      return
+    while pending and len(running) < args.parallel:
+      variant, lr = pending.pop(0)
+      directory = run_dir(out, variant, lr)
+      directory.mkdir(parents=True, exist_ok=True)
+      log = (directory / "log.txt").open("w")
+      command = [sys.executable, __file__, *argv, "--single-run", f"{variant}:{lr!r}"]
+      running.append((variant, lr, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
+                      log))
+    time.sleep(2)
+    for job in list(running):
+      variant, lr, process, log = job
+      if process.poll() is not None:
+        log.close()
+        running.remove(job)
+        print(f"   {variant} lr {lr:g}: exit {process.returncode}"
+              f" (log {run_dir(out, variant, lr) / 'log.txt'})", flush=True)
+
+
+def select_runs(out: pathlib.Path, models, lrs) -> tuple[list[dict], list[dict]]:
+  """(records of each model's best run, records of every finished run). A model's best run has the
+  highest held-out training recall; its small files are copied to `out/<model>/`."""
+  chosen, every = [], []
+  for variant in models:
+    runs = []
+    for lr in lrs:
+      path = run_dir(out, variant, lr) / "records.json"
+      if path.is_file():
+        runs.append((lr, json.loads(path.read_text())))
+    if not runs:
+      continue
+    for _, records in runs:
+      every.extend(records)
+    best_lr, best = max(runs, key=lambda run: run[1][0].get("train_recall") or 0.0)
+    source, target = run_dir(out, variant, best_lr), out / variant
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "summary.json", "retention.json"):
+      if (source / name).is_file():
+        shutil.copyfile(source / name, target / name)
+    chosen.extend(best)
+  return chosen, every
+
+
+def _write(args, common, models, records, every):
   payload = {"models": models, "smoke": args.smoke, "tasks": list(TASKS),
-             "device": jax.devices()[0].device_kind, "results": records}
+             "device": jax.devices()[0].device_kind, "results": records, "all_runs": every}
+  seq_len = common.repro_config(models[0], smoke=args.smoke).seq_len
   markdown = ("# Reproduction study (configs/repro)\n\nAccuracy (%) on long-gap MQAR (teacher-"
               "forced, every queried pair beyond the windows) and passkey (S-NIAH-1 in token ids,"
-              " greedy) at each evaluation length; training length "
-              f"{common.repro_config(models[0], smoke=args.smoke).seq_len}."
+              f" greedy) at each evaluation length; training length {seq_len}; per model the"
+              " learning rate with the best held-out training recall (train_recall, %)."
               f" Device: {payload['device']}.\n\n"
-              + report.comparison_table(records, "model", ("params", "train_s")))
+              + report.comparison_table(records, "model", ("params", "lr", "train_recall",
+                                                           "train_s"))
+              + "\n\nEvery run of the learning-rate sweep:\n\n"
+              + report.comparison_table(
+                  [dict(r, run=f"{r['model']} lr {r['lr']:g}") for r in every], "run",
+                  ("train_recall", "train_s")))
   json_path, markdown_path = report.write_report(args.out, payload, markdown)
   return payload, json_path, markdown_path
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | None:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   common = load_common()
+  if args.single_run:
+    variant, lr = args.single_run.split(":")
+    train_and_evaluate(variant, float(lr), args, common)
+    return None
   models = [m.strip() for m in args.models.split(",") if m.strip()]
   unknown = [m for m in models if m not in common.MODELS]
   if unknown or not models:
     raise SystemExit(f"error: --models {unknown or models} not in {common.MODELS}")
-  records = []
-  for variant in models:
-    records.extend(train_and_evaluate(variant, args, common))
-    # Rewritten after every model, so that a run cut short still leaves its finished models.
-    payload, json_path, markdown_path = _write(args, common, models, records)
+  lrs = ([float(x) for x in args.lrs.split(",")] if args.lrs
+         else list(common.LEARNING_RATES[:1] if args.smoke else common.LEARNING_RATES))
+  out = pathlib.Path(args.out)
+  jobs = [(variant, lr) for variant in models for lr in lrs]
+  if args.parallel > 1:
+    run_children(jobs, args, argv)
+  for variant, lr in jobs:
+    if args.parallel == 1:
+      train_and_evaluate(variant, lr, args, common)
+    # Rewritten after every run, so that a run cut short still leaves its finished models.
+    records, every = select_runs(out, models, lrs)
+    if records:
+      payload, json_path, markdown_path = _write(args, common, models, records, every)
+  if not records:
+    raise SystemExit(f"error: no run finished; see the logs under {out / 'runs'}")
   print(markdown_path.read_text())
   print(f"wrote {json_path}, {markdown_path}")
   return payload

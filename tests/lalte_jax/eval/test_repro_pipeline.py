@@ -1,4 +1,5 @@
-"""tools/repro.py --smoke and tools/plot_results.py end to end on the CPU (one model, 3 steps)."""
+"""tools/repro.py --smoke and tools/plot_results.py end to end on the CPU (one model at two
+learning rates, trained as two child processes, 3 steps each)."""
 
 import importlib.util
 import json
@@ -19,13 +20,18 @@ def load_tool(name):
 @pytest.mark.slow
 def test_smoke_study_writes_results_and_figures(tmp_path):
   payload = load_tool("repro").main(["--smoke", "--models", "lalte", "--out", str(tmp_path),
-                                     "--num-examples", "2", "--batch-size", "2"])
+                                     "--num-examples", "2", "--batch-size", "2",
+                                     "--lrs", "3e-3,1e-2", "--parallel", "2"])
   stored = json.loads((tmp_path / "results.json").read_text())
   assert stored["results"] == json.loads(json.dumps(payload["results"]))
   assert [(r["task"], r["length"]) for r in stored["results"]] == [("mqar_long_gap", 64),
                                                                    ("passkey", 64)]
   assert all(r["model"] == "lalte" and 0 <= r["value"] <= 100 for r in stored["results"])
-  assert (tmp_path / "lalte" / "export" / "model.json").is_file()
+  assert [r["lr"] for r in stored["all_runs"]] == [3e-3, 3e-3, 1e-2, 1e-2]
+  best = max(stored["all_runs"], key=lambda r: r["train_recall"])
+  assert {r["lr"] for r in stored["results"]} == {best["lr"]}  # chosen by held-out train recall
+  for lr in ("0.003", "0.01"):
+    assert (tmp_path / "runs" / f"lalte_lr{lr}" / "export" / "model.json").is_file()
   retention = json.loads((tmp_path / "lalte" / "retention.json").read_text())
   assert len(retention["rate_oow"]) == 1 and len(retention["rate_oow"][0]) == 2  # [L_lte, Hkv]
   assert "| lalte |" in (tmp_path / "results.md").read_text()
