@@ -5,8 +5,10 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    `chunk_gated_delta_rule` (PyTorch, shared through DLPack, so the values are identical) and to
    ours (`implementation="pallas"`); prints the forward's relative difference and the medians of
    forward and forward+backward time after warm-up, rotating two input sets, and the ratios.
-   Also times our pieces: the XLA preparation (step a) and the Pallas chunk scan alone.
-2. `--sweep`: times the chunk-scan kernels alone under several launch configurations.
+   Also times our pieces: the fused Pallas preparation (step a; forward, and forward + backward)
+   and the Pallas chunk scan alone.
+2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
+   `--sweep-prep`: the same for the preparation kernels (pallas_prepare.PrepareConfig).
 3. a tiny GDN model (`gdn-tiny`, bf16) trains a few steps with the Pallas kernel and with the XLA
    reference from the same initial weights and batches; the losses must agree within the bf16
    tolerance (2e-2 relative).
@@ -16,7 +18,8 @@ FLA 0.6.0 refuses its gated backward (chunk_bwd_dqkwg) on Hopper with Triton < 3
 disables that guard (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True); FLA's gradients are never
 compared. Our gradients are checked against the float64 recurrence by the gpu tests instead.
 
-Run on the GPU machine: `python3 tools/compare_fla.py [--quick] [--sweep] [--out DIR]`.
+Run on the GPU machine:
+`python3 tools/compare_fla.py [--quick] [--sweep] [--sweep-prep] [--out DIR]`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
 from pallas_kernels.gated_delta_rule import ChunkConfig, StatePassConfig, chunk_gated_delta_rule
-from pallas_kernels.gated_delta_rule.pallas import prepare_scan_inputs
+from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
 from pallas_kernels.gated_delta_rule.pallas_state_pass import chunk_scan, default_state_config
 
 # (B, T, H, K=V): the issue's benchmark shapes.
@@ -48,6 +51,9 @@ BF16_TOLERANCE = 2e-2
 SWEEP_CONFIGS = ((32, 4, 1, False), (32, 4, 1, True), (16, 4, 1, True), (32, 8, 1, True),
                  (64, 4, 1, True), (64, 8, 1, True), (64, 4, 2, False), (64, 4, 2, True),
                  (128, 8, 1, True))
+# (num_warps, num_stages, num_warps_bwd, num_stages_bwd) tried by --sweep-prep.
+PREP_SWEEP_CONFIGS = ((4, 1, 4, 1), (8, 1, 8, 1), (4, 2, 4, 2), (8, 2, 8, 2), (2, 1, 4, 1),
+                      (4, 1, 8, 1))
 
 
 def log(record: dict, results: list, out_dir: str | None):
@@ -114,6 +120,29 @@ def ours(config: ChunkConfig):
   return jax.jit(forward), jax.jit(forward_backward)
 
 
+def prep_fns(config: PrepareConfig | None = None):
+  """Jitted fused preparation: forward, and forward + backward (cotangents = the outputs)."""
+  def forward(q, k, v, g, beta):
+    return prepare_chunks(q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64,
+                          config=config)
+
+  def forward_backward(q, k, v, g, beta):
+    outputs, vjp = jax.vjp(forward, q, k, v, g, beta)
+    return vjp(outputs)
+
+  return jax.jit(forward), jax.jit(forward_backward)
+
+
+def scan_inputs_of(prep, input_sets):
+  """chunk_scan's leading arguments: the preparation's outputs and a zero initial state."""
+  scan_inputs = []
+  for s in input_sets:
+    w, u, *rest = prep(*s)
+    h0 = jnp.zeros(w.shape[:2] + (w.shape[-1], u.shape[-1]), jnp.float32)
+    scan_inputs.append([w, u, *rest, h0])
+  return scan_inputs
+
+
 def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-many-locals
   batch, seq_len, heads, dim = shape
   name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
@@ -131,12 +160,13 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
                                     sync=sync_jax)
   record["ours_fwdbwd_ms"] = median_ms(forward_backward, jax_sets_bwd, warmup=warmup,
                                        repeats=repeats, sync=sync_jax)
-  # Our pieces: the XLA preparation, and the Pallas scan alone (forward; forward + backward).
-  prep = jax.jit(lambda q, k, v, g, beta: prepare_scan_inputs(
-      q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64))
+  # Our pieces: the fused preparation (forward; forward + backward) and the Pallas scan alone.
+  prep, prep_fwd_bwd = prep_fns()
   record["ours_prep_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
                                          sync=sync_jax)
-  scan_inputs = [prep(*s) for s in jax_sets]
+  record["ours_prep_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
+                                            repeats=repeats, sync=sync_jax)
+  scan_inputs = scan_inputs_of(prep, jax_sets)
   scan = jax.jit(lambda *a: chunk_scan(*a, 64, "bfloat16", False, default_state_config(dim)))
   record["ours_scan_fwd_ms"] = median_ms(scan, scan_inputs, warmup=warmup, repeats=repeats,
                                          sync=sync_jax)
@@ -176,9 +206,8 @@ def sweep_shape(shape, args, results):
   """Times the chunk scan alone (forward; forward + backward) for several launch configs."""
   batch, seq_len, heads, dim = shape
   sets = [make_inputs(seed, *shape) for seed in (0, 1)]
-  prep = jax.jit(lambda q, k, v, g, beta: prepare_scan_inputs(
-      q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64))
-  scan_inputs = [prep(*[s[n] for n in ("q", "k", "v", "g", "beta")]) for s in sets]
+  prep, _ = prep_fns()
+  scan_inputs = scan_inputs_of(prep, [[s[n] for n in ("q", "k", "v", "g", "beta")] for s in sets])
   do_sets = [jnp.pad(s["do"], [(0, 0), (0, -seq_len % 64), (0, 0), (0, 0)]) for s in sets]
   name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
   for block_v, warps, stages, adjacent in SWEEP_CONFIGS:
@@ -210,6 +239,24 @@ def sweep_shape(shape, args, results):
       ms = f"failed: {type(error).__name__}: {str(error)[:200]}"
     log({"sweep": "scan_fwd_bwd", "shape": name, "config_bwd": [block_v, warps, stages, adjacent],
          "ms": ms}, results, args.out)
+
+
+def sweep_prep_shape(shape, args, results):
+  """Times the fused preparation alone (forward; forward + backward) for several launch configs."""
+  batch, seq_len, heads, dim = shape
+  sets = [make_inputs(seed, *shape) for seed in (0, 1)]
+  jax_sets = [[s[n] for n in ("q", "k", "v", "g", "beta")] for s in sets]
+  name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
+  for warps, stages, warps_bwd, stages_bwd in PREP_SWEEP_CONFIGS:
+    config = PrepareConfig(num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd,
+                           num_stages_bwd=stages_bwd)
+    record = {"sweep": "prep", "shape": name, "config": [warps, stages, warps_bwd, stages_bwd]}
+    for key, fn in zip(("fwd_ms", "fwdbwd_ms"), prep_fns(config)):
+      try:
+        record[key] = median_ms(fn, jax_sets, warmup=2, repeats=10, sync=jax.block_until_ready)
+      except Exception as error:  # pylint: disable=broad-except
+        record[key] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    log(record, results, args.out)
 
 
 def train_check(args, results, steps: int = 30):
@@ -267,6 +314,8 @@ def main():
   parser.add_argument("--no-fla", action="store_true", help="skip FLA (ours only)")
   parser.add_argument("--no-train", action="store_true", help="skip the training check")
   parser.add_argument("--shapes", default="0,1,2,3", help="indices into SHAPES")
+  parser.add_argument("--sweep-prep", action="store_true",
+                      help="time the preparation kernels' launch configs (--sweep-shapes)")
   parser.add_argument("--sweep-shapes", default="0,1", help="indices into SHAPES for --sweep")
   parser.add_argument("--fla-shapes", default=None,
                       help="indices into SHAPES where FLA runs too (default: all); FLA's autotuning"
@@ -277,6 +326,9 @@ def main():
   results: list = []
   print(f"jax {jax.__version__} devices {jax.devices()}", flush=True)
   torch, fla_chunk = (None, None) if args.no_fla else load_fla()
+  if args.sweep_prep:
+    for index in args.sweep_shapes.split(","):
+      sweep_prep_shape(SHAPES[int(index)], args, results)
   if args.sweep and args.sweep_first:
     for index in args.sweep_shapes.split(","):
       sweep_shape(SHAPES[int(index)], args, results)

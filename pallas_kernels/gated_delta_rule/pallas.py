@@ -1,15 +1,16 @@
 """`implementation="pallas"` of `chunk_gated_delta_rule`: the chunked WY form around Pallas kernels.
 
 Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
-  (a) per chunk, in parallel (XLA batched matmuls; the inverse in one Pallas program per chunk,
-      pallas_inverse.py): cumulative log-decay, A, T = (I + A)^-1,
-      w = T diag(beta exp(G)) k, u = T diag(beta) v, kd = diag(exp(G_C - G)) k, a = exp(G_C);
-      and the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i);
+  (a) per chunk, in parallel (one Pallas program per chunk, pallas_prepare.py): l2norm, cumulative
+      log-decay, A, T = (I + A)^-1, w = T diag(beta exp(G)) k, u = T diag(beta) v,
+      kd = diag(exp(G_C - G)) k, a = exp(G_C); and the output's inputs qg = q exp(G),
+      p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i);
   (b) the sequential pass over chunks with the outputs fused in (Pallas, pallas_state_pass.py):
       v_new = u - w h, o = qg h + p v_new, h <- a h + kd^T v_new, keeping each program's state
       slice on chip (the per-chunk states never reach memory unless a gradient needs them).
-The gradient composes autodiff of (a) with the hand-written backwards of the two Pallas pieces
-(`chunk_scan` and the inverse are custom_vjps), so the rest follows the reference algebra.
+Both pieces are custom_vjps with hand-written backward kernels. `prepare_scan_inputs` below is
+step (a) in plain XLA: the readable reference the fused kernels are tested against (not used by
+the main path).
 
 Precision: float32 inputs use float32 everywhere at full precision (the float32 tolerance); bf16
 inputs keep float32 states, accumulation and inverse but feed the matmuls bf16 operands and store
@@ -21,21 +22,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule.pallas_inverse import unit_lower_inverse
+from pallas_kernels.gated_delta_rule.pallas_prepare import (
+    PrepareConfig,
+    next_power_of_two,
+    prepare_chunks,
+    uses_exact_matmuls,
+)
 from pallas_kernels.gated_delta_rule.pallas_state_pass import (
     StatePassConfig,
     chunk_scan,
     default_state_config,
 )
-from pallas_kernels.gated_delta_rule.reference import _prepare_inputs, compute_dtype
+from pallas_kernels.gated_delta_rule.reference import (
+    _prepare_inputs,
+    compute_dtype,
+    unit_lower_inverse,
+)
 
 __all__ = ["chunk_gated_delta_rule_pallas", "next_power_of_two", "prepare_scan_inputs",
            "uses_exact_matmuls"]
-
-
-def next_power_of_two(size: int, minimum: int = 16) -> int:
-  """The Triton kernels want power-of-two block dims of at least 16 (tensor-core dot operands)."""
-  return max(minimum, 1 << (size - 1).bit_length())
 
 
 def _matmul(spec, a, b, *, exact):
@@ -52,6 +57,14 @@ def _check_supported(q, k, v, g, beta, initial_state, chunk_size):
     raise NotImplementedError(
         f"chunk_gated_delta_rule(implementation='pallas'): chunk_size = {chunk_size}; the Triton"
         " kernels need a power of two >= 16")
+  for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
+    # Checked before any kernel runs (eagerly, the preparation would compile first), so the
+    # dispatcher's fallback to "xla" sees this error and not a Triton resource failure.
+    if next_power_of_two(size) > 256:
+      raise NotImplementedError(
+          f"chunk_gated_delta_rule(implementation='pallas'): {name} = {next_power_of_two(size)}"
+          " > 256 (padded); the preparation's [C, 256] tiles are the largest that fit on chip"
+          " (use implementation='xla')")
   dtype = compute_dtype(q, k, v, g, beta, initial_state)
   if dtype != jnp.float32:
     raise NotImplementedError(
@@ -59,17 +72,12 @@ def _check_supported(q, k, v, g, beta, initial_state, chunk_size):
         " have no float64 matmuls (use implementation='xla')")
 
 
-def uses_exact_matmuls(q, k, v) -> bool:
-  """float32 q, k, v: full-precision float32 matmuls and storage; otherwise bf16 operands."""
-  return all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v))
-
-
 def prepare_scan_inputs(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm,
                         chunk_size: int):
-  """Step (a): the arguments of `chunk_scan` before its static ones, all chunks at once (XLA).
+  """Step (a) in XLA: the reference for pallas_prepare.prepare_chunks (tests), not the main path.
 
-  Returns (w, u, kd, qg, p, chunk_decay, padded initial state); see pallas_state_pass.py for their
-  layouts.
+  Returns (w, u, kd, qg, p, chunk_decay, padded initial state), the arguments of `chunk_scan`
+  before its static ones; see pallas_state_pass.py for their layouts.
   """
   exact = uses_exact_matmuls(q, k, v)
   store_dtype = jnp.float32 if exact else jnp.bfloat16
@@ -136,17 +144,26 @@ def prepare_scan_inputs(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm
 
 def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                   use_qk_l2norm, chunk_size: int,
-                                  state_config: StatePassConfig | None = None):
+                                  state_config: StatePassConfig | None = None,
+                                  prepare_config: PrepareConfig | None = None):
   """Same contract as `chunk_gated_delta_rule` (inputs validated there)."""
   _check_supported(q, k, v, g, beta, initial_state, chunk_size)
   exact = uses_exact_matmuls(q, k, v)
   store_dtype = "float32" if exact else "bfloat16"
-  scan_inputs = prepare_scan_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                    use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+  w, u, kd, qg, p, chunk_decay = prepare_chunks(
+      q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+      config=prepare_config)
+  batch, seq_len, heads, key_dim = q.shape
+  value_dim = v.shape[3]
+  padded_k, padded_v = w.shape[-1], u.shape[-1]
+  if initial_state is None:
+    state_BHKV = jnp.zeros((batch, heads, padded_k, padded_v), jnp.float32)
+  else:
+    state_BHKV = jnp.pad(initial_state.astype(jnp.float32),
+                         [(0, 0), (0, 0), (0, padded_k - key_dim), (0, padded_v - value_dim)])
   o_BTHV, final_state_BHKV = chunk_scan(
-      *scan_inputs, chunk_size, store_dtype, exact,
-      default_state_config(scan_inputs[0].shape[-1]) if state_config is None else state_config)
-  seq_len, key_dim, value_dim = q.shape[1], q.shape[3], v.shape[3]
+      w, u, kd, qg, p, chunk_decay, state_BHKV, chunk_size, store_dtype, exact,
+      default_state_config(padded_k) if state_config is None else state_config)
   o_BTHV = o_BTHV[:, :seq_len, :, :value_dim].astype(v.dtype)
   if not output_final_state:
     return o_BTHV, None

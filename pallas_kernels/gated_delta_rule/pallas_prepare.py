@@ -1,0 +1,189 @@
+"""Step (a) of the chunked gated delta rule fused into one Pallas (Triton) program per chunk.
+
+`prepare_chunks` returns what `pallas.prepare_scan_inputs` (the readable XLA reference) returns,
+without the initial state. Per batch row, head and chunk of C tokens (G = in-chunk cumulative
+log-decay, e = exp(G), Dm_ij = exp(G_i - G_j) for j <= i, beta on the diagonal of B):
+
+    A = B (strict_lower(Dm) ⊙ k k^T),  X = (I + A)^-1
+    w = X diag(beta e) k,  u = X diag(beta) v,  kd = diag(exp(G_C - G)) k,  qg = diag(e) q,
+    p = (q k^T) ⊙ Dm,  chunk decay = exp(G_C)
+
+The forward kernel reads the chunk's q, k, v from the public `[B,T,H,*]` layout (no transposed
+copies), normalises q and k, and writes w, u, kd, qg, p in the scan's head-major layouts; under
+differentiation it also writes X (float32) for the backward. The backward kernel recomputes the
+rest from the raw inputs and X and returns dq, dk, dv, dg, dbeta. The kernel bodies (and the
+derivation of the backward) are in pallas_prepare_kernels.py; this file launches them.
+The chunk decay is one sum per chunk and stays in XLA (a Triton program cannot store one scalar).
+
+Precision as in pallas.py: float32 inputs use full-precision float32 dots; otherwise q, k, v and
+the outputs are bf16 with bf16 dot operands and float32 accumulation, while the decays, A, X and
+the inverse's gradient stay float32 at full precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import backward_kernel, forward_kernel
+from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
+
+__all__ = ["PrepareConfig", "default_prepare_config", "next_power_of_two", "prepare_chunks",
+           "uses_exact_matmuls"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+  """Triton launch parameters: forward (num_warps, num_stages) and backward (*_bwd) kernels."""
+  num_warps: int = 4
+  num_stages: int = 1
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 1
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"PrepareConfig.{field.name} must be a positive int, got {value!r}")
+
+
+def default_prepare_config(padded_key_dim: int) -> PrepareConfig:
+  """K = 256: [C, 256] float32 tiles are 64 KiB each, so spread them over 8 warps (not measured)."""
+  if padded_key_dim <= 128:
+    return PrepareConfig()
+  return PrepareConfig(num_warps=8, num_warps_bwd=8)
+
+
+def _specs(q, v, chunk_size):
+  """BlockSpecs of the grid (N, B, H): one chunk of one head of one batch row per program."""
+  key_dim, value_dim = q.shape[-1], v.shape[-1]
+  public = lambda dim: pl.BlockSpec((None, chunk_size, None, dim), lambda n, b, h: (b, n, h, 0))
+  head_major = lambda dim: pl.BlockSpec((None, None, chunk_size, dim),
+                                        lambda n, b, h: (b, h, n, 0))
+  return {"public_k": public(key_dim), "public_v": public(value_dim),
+          "token": pl.BlockSpec((None, None, chunk_size), lambda n, b, h: (b, h, n)),
+          "k": head_major(key_dim), "v": head_major(value_dim), "c": head_major(chunk_size)}
+
+
+def _forward(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, exact, config,
+             store_inverse):
+  batch, padded_len, heads, key_dim = q.shape
+  value_dim = v.shape[-1]
+  store_dtype = jnp.float32 if exact else jnp.bfloat16
+  specs = _specs(q, v, chunk_size)
+  head_major = lambda dim, dtype: jax.ShapeDtypeStruct((batch, heads, padded_len, dim), dtype)
+  out_specs = [specs["k"], specs["v"], specs["k"], specs["k"], specs["c"]]
+  out_shape = [head_major(key_dim, store_dtype), head_major(value_dim, store_dtype),
+               head_major(key_dim, store_dtype), head_major(key_dim, store_dtype),
+               head_major(chunk_size, store_dtype)]
+  if store_inverse:
+    out_specs.append(specs["c"])
+    out_shape.append(head_major(chunk_size, jnp.float32))
+  kernel = functools.partial(forward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                             chunk_size=chunk_size, exact=exact)
+  return pl.pallas_call(
+      kernel,
+      grid=(padded_len // chunk_size, batch, heads),
+      in_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
+                specs["token"]],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=triton_compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret(),
+      name="gdn_prepare_chunks_fwd",
+  )(q, k, v, g, beta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, exact, config):
+  return tuple(_forward(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                        chunk_size=chunk_size, exact=exact, config=config, store_inverse=False))
+
+
+def _prepare_fwd(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, exact, config):
+  *outputs, x = _forward(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                         chunk_size=chunk_size, exact=exact, config=config, store_inverse=True)
+  return tuple(outputs), (q, k, v, g, beta, x)
+
+
+def _prepare_bwd(scale, use_qk_l2norm, chunk_size, exact, config, residuals, cotangents):
+  q, k, v, g, beta, x = residuals
+  batch, padded_len, heads, _ = q.shape
+  specs = _specs(q, v, chunk_size)
+  store_dtype = jnp.float32 if exact else jnp.bfloat16
+  cotangents = [ct.astype(store_dtype) for ct in cotangents]
+  token = jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)
+  kernel = functools.partial(backward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                             chunk_size=chunk_size, exact=exact)
+  dq, dk, dv, dg, dbeta = pl.pallas_call(
+      kernel,
+      grid=(padded_len // chunk_size, batch, heads),
+      in_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
+                specs["token"], specs["c"], specs["k"], specs["v"], specs["k"], specs["k"],
+                specs["c"]],
+      out_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
+                 specs["token"]],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), token, token],
+      compiler_params=triton_compiler_params(config.num_warps_bwd, config.num_stages_bwd),
+      interpret=interpret(),
+      name="gdn_prepare_chunks_bwd",
+  )(q, k, v, g, beta, x, *cotangents)
+  return dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype)
+
+
+_prepare.defvjp(_prepare_fwd, _prepare_bwd)
+
+
+def next_power_of_two(size: int, minimum: int = 16) -> int:
+  """The Triton kernels want power-of-two block dims of at least 16 (tensor-core dot operands)."""
+  return max(minimum, 1 << (size - 1).bit_length())
+
+
+def uses_exact_matmuls(q, k, v) -> bool:
+  """float32 q, k, v: full-precision float32 matmuls and storage; otherwise bf16 operands."""
+  return all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v))
+
+
+def prepare_chunks(q, k, v, g, beta, *, scale, use_qk_l2norm: bool, chunk_size: int,
+                   config: PrepareConfig | None = None):
+  """Step (a) fused: (w, u, kd, qg, p `[B,H,Tp,*]` in the store dtype, chunk decay `[B,H,N]` f32).
+
+  q, k `[B,T,H,K]`, v `[B,T,H,V]`, g, beta `[B,T,H]` (float32 or bf16; the caller checks that the
+  compute dtype is float32); scale None means K**-0.5. T is zero-padded to Tp = N * C and K, V to
+  powers of two >= 16 (only when needed), as `prepare_scan_inputs` does. Differentiable.
+  """
+  if chunk_size < 16 or chunk_size & (chunk_size - 1):
+    raise ValueError(f"prepare_chunks: chunk_size = {chunk_size}; needs a power of two >= 16")
+  if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+    raise ValueError(f"prepare_chunks: scale must be a Python float or None (a constant of the"
+                     f" kernels), got {type(scale).__name__}")
+  exact = uses_exact_matmuls(q, k, v)
+  batch, seq_len, heads, key_dim = q.shape
+  value_dim = v.shape[-1]
+  scale = float(key_dim ** -0.5 if scale is None else scale)
+  num_chunks = -(-seq_len // chunk_size)
+  pad_t = num_chunks * chunk_size - seq_len
+  padded_k, padded_v = next_power_of_two(key_dim), next_power_of_two(value_dim)
+  if config is None:
+    config = default_prepare_config(padded_k)
+
+  def pad(x, width):
+    if pad_t == 0 and width == x.shape[-1]:
+      return x
+    return jnp.pad(x, [(0, 0), (0, pad_t), (0, 0), (0, width - x.shape[-1])])
+
+  # Padding tokens (g = beta = 0, zero q, k, v) leave the state unchanged, as in the reference.
+  # g and beta go head-major in XLA: a (C,) block with stride H is not a Triton block.
+  token_major = lambda x: jnp.pad(jnp.swapaxes(x.astype(jnp.float32), 1, 2),
+                                  [(0, 0), (0, 0), (0, pad_t)])
+  g_BHT, beta_BHT = token_major(g), token_major(beta)
+  w, u, kd, qg, p = _prepare(pad(q, padded_k), pad(k, padded_k), pad(v, padded_v), g_BHT, beta_BHT,
+                             scale, bool(use_qk_l2norm), chunk_size, exact, config)
+  chunk_decay_BHN = jnp.exp(jnp.sum(g_BHT.reshape(batch, heads, num_chunks, chunk_size), axis=-1))
+  return w, u, kd, qg, p, chunk_decay_BHN
