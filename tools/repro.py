@@ -78,8 +78,10 @@ def parse_args(argv):
   parser.add_argument("--parallel", type=int, default=1,
                       help="trainings run at once as child processes (1: all in this process)")
   parser.add_argument("--deadline-s", type=float, default=None,
-                      help="with --parallel: stop child runs still going after this many seconds"
-                           " and report the finished ones")
+                      help="with --parallel: after this many seconds, stop the trainings still"
+                           " going (they evaluate what they have) and start no new ones")
+  parser.add_argument("--grace-s", type=float, default=150.0,
+                      help="after --deadline-s: seconds left to the stopped runs to evaluate")
   parser.add_argument("--smoke", action="store_true", help="tiny models and steps (CPU check)")
   parser.add_argument("--single-run", help=argparse.SUPPRESS)  # "<model>:<lr>", child mode
   args = parser.parse_args(argv)
@@ -142,6 +144,7 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
       seed=config.seed, shuffle=False, process_index=jax.process_index(),
       process_count=jax.process_count())
   summary = trainer.run()
+  steps_trained = summary.get("stopped_at", config.steps)
   train_seconds = time.perf_counter() - start
   export_dir = directory / "export"
   if not (export_dir / "model.json").is_file():  # the trainer may export by itself
@@ -160,7 +163,7 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
     (directory / "retention.json").write_text(json.dumps(stats, indent=2) + "\n")
   for record in records:
     record.update(model=variant, lr=lr, params=count_parameters(model_config),
-                  train_s=round(train_seconds, 1),
+                  steps=steps_trained, train_s=round(train_seconds, 1),
                   train_recall=summary.get("eval_recall_accuracy"))
   (directory / "records.json").write_text(json.dumps(records, indent=2, default=str) + "\n")
   return records
@@ -173,13 +176,20 @@ def run_children(jobs, args, argv) -> None:
   deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
   while pending or running:
     if deadline is not None and time.monotonic() > deadline:
+      # SIGTERM: the trainer saves and returns early, so the child still evaluates what it has
+      # (records say how many steps it trained); a child still busy after the grace is killed.
+      for _, _, process, _ in running:
+        process.terminate()
+      for variant, lr in pending:
+        print(f"   {variant} lr {lr:g}: not started before the deadline", flush=True)
+      pending, deadline = [], None
+      grace_end = time.monotonic() + args.grace_s
+    if deadline is None and args.deadline_s is not None and time.monotonic() > grace_end:
       for variant, lr, process, log in running:
         process.kill()
         process.wait()
         log.close()
-        print(f"   {variant} lr {lr:g}: stopped at the deadline", flush=True)
-      for variant, lr in pending:
-        print(f"   {variant} lr {lr:g}: not started before the deadline", flush=True)
+        print(f"   {variant} lr {lr:g}: killed after the grace period", flush=True)
       return
     while pending and len(running) < args.parallel:
       variant, lr = pending.pop(0)
@@ -232,12 +242,12 @@ def _write(args, common, models, records, every):
               f" greedy) at each evaluation length; training length {seq_len}; per model the"
               " learning rate with the best held-out training recall (train_recall, %)."
               f" Device: {payload['device']}.\n\n"
-              + report.comparison_table(records, "model", ("params", "lr", "train_recall",
-                                                           "train_s"))
+              + report.comparison_table(records, "model", ("params", "lr", "steps",
+                                                           "train_recall", "train_s"))
               + "\n\nEvery run of the learning-rate sweep:\n\n"
               + report.comparison_table(
                   [dict(r, run=f"{r['model']} lr {r['lr']:g}") for r in every], "run",
-                  ("train_recall", "train_s")))
+                  ("steps", "train_recall", "train_s")))
   json_path, markdown_path = report.write_report(args.out, payload, markdown)
   return payload, json_path, markdown_path
 
