@@ -34,14 +34,35 @@ from pallas_kernels.masked_attention.tiling import BlockSizes
 
 SHAPES = ((8, 4096), (4, 8192), (2, 16384))
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
-# Block-size candidates timed by --sweep (SWA-1024, B8 T4096).
-# The first entries change forward blocks only (timed "fwd"), the rest backward blocks only.
+# Block-size candidates timed by --sweep (B8 T4096). SWEEP_FORWARD changes forward blocks only and
+# is timed "fwd" on SWA-1024 and on the LTE prefill; pack_gqa puts the 4 query heads of a KV head in
+# one program (block_q then counts positions: rows = 4 x block_q). SWEEP_BACKWARD changes backward
+# blocks only (SWA-1024 "fwd+bwd"); SWEEP_TRAIN is timed "fwd+bwd" on the LTE training call.
 SWEEP_FORWARD = (
     BlockSizes(),
     BlockSizes(block_q=128, block_k=128, num_warps=8),
-    BlockSizes(block_q=64, block_k=64, num_stages=3),
     BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     BlockSizes(block_q=128, block_k=32, num_stages=3),
+    BlockSizes(pack_gqa=True, block_q=16, block_k=64),
+    BlockSizes(pack_gqa=True, block_q=16, block_k=128),
+    BlockSizes(pack_gqa=True, block_q=32, block_k=64),
+    BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
+    BlockSizes(pack_gqa=True, block_q=32, block_k=32, num_warps=8, num_stages=4),
+    BlockSizes(pack_gqa=True, block_q=64, block_k=32, num_warps=8),
+    BlockSizes(pack_gqa=True, block_q=64, block_k=64, num_warps=8, num_stages=2),
+)
+# Prefill only: the kept list read by position inside the kernel (no XLA gather of K/V copies).
+SWEEP_PREFILL = (
+    BlockSizes(gather_kept_in_kernel=True),
+    BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=16, block_k=64),
+    BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=32, block_k=64, num_warps=8),
+)
+SWEEP_TRAIN = (
+    BlockSizes(),
+    BlockSizes(gather_kept_in_kernel=True),
+    BlockSizes(pack_gqa=True, block_q=16, block_k=64),
+    BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
+    BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=32, block_k=64, num_warps=8),
 )
 SWEEP_BACKWARD = (
     BlockSizes(),
@@ -142,14 +163,20 @@ def bench_jax(batch, length, args, results):
                 if any(word in name for word in args.only)}
   modes = {name: ("fwd", "fwd+bwd") for name in variants}
   if args.sweep:
-    variants = {"cuDNN SWA-1024": variants["cuDNN SWA-1024"]}
+    variants = {"cuDNN SWA-1024": jax_variants()["cuDNN SWA-1024"]}
     modes = {"cuDNN SWA-1024": ("fwd", "fwd+bwd")}
-    for tag, candidates in (("fwd", SWEEP_FORWARD), ("fwd+bwd", SWEEP_BACKWARD)):
+    swept = (("ours SWA-1024", "fwd", SWEEP_FORWARD),
+             ("ours LTE prefill (769 + 256 kept)", "fwd", SWEEP_FORWARD + SWEEP_PREFILL),
+             ("ours SWA-1024", "fwd+bwd", SWEEP_BACKWARD),
+             ("ours LTE train (769 + 4 sinks + 256 kept)", "fwd+bwd", SWEEP_TRAIN))
+    for base, tag, candidates in swept:
       for blocks in candidates:
         changed = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)
                    if getattr(blocks, f.name) != f.default}
-        name = f"ours SWA-1024 {changed or 'defaults'}"
-        variants[name] = (jax_variants(blocks)["ours SWA-1024"][0], "cuDNN SWA-1024")
+        name = f"{base} {changed or 'defaults'}"
+        if args.only and not any(word in name for word in args.only):
+          continue
+        variants[name] = (jax_variants(blocks)[base][0], "cuDNN SWA-1024")
         modes[name] = modes.get(name, ()) + (tag,)
   for name, (attn, anchor) in variants.items():
     try:
@@ -273,10 +300,12 @@ def main(argv=None) -> int:
   parser.add_argument("--iters", type=int, default=15)
   parser.add_argument("--no-fla", action="store_true")
   parser.add_argument("--sweep", action="store_true",
-                      help="time SWA-1024 at B8 T4096 for each block-size candidate in SWEEP")
+                      help="time SWA-1024, LTE prefill and LTE training at B8 T4096 for each"
+                      " block-size candidate in SWEEP_*")
   parser.add_argument("--lengths", type=int, nargs="*",
                       help="only these T of SHAPES (B8 T4096, B4 T8192, B2 T16384)")
-  parser.add_argument("--only", nargs="*", help="only variants whose name contains one of these")
+  parser.add_argument("--only", nargs="*", help="only variants whose name contains one of these"
+                      " (with --sweep: only those candidates; cuDNN SWA-1024 is always timed)")
   parser.add_argument("--no-checks", action="store_true", help="skip parity and model checks")
   args = parser.parse_args(argv)
   print(f"devices: {jax.devices()}, jax {jax.__version__}", flush=True)

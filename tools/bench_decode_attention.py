@@ -14,7 +14,8 @@ Timing: `--sets` independent caches (more bytes than L2 holds, so every call rea
 attended one after another inside one jitted function; time per call = median over `--repeats`
 of the wall time / sets, after warm-up (jax.block_until_ready + time.perf_counter). The fused LTE
 cache step (`evict_and_insert`) is timed as 32 steps in one jitted loop over a donated cache
-with a full OOW set, XLA vs Pallas.
+with a full OOW set, XLA vs Pallas; the prefill compaction (`compact_top_scores`, top-b of the
+T - W out-of-window tokens per row and KV head) at B8 T4096 and B2 T16384, XLA vs Pallas.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from lalte_jax.config import get_model_config
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
-from pallas_kernels.lte_cache_ops import evict_and_insert
+from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 
 
 def median_seconds(fn, args, repeats: int, warmup: int = 3) -> float:
@@ -130,6 +131,22 @@ def time_cache_step(preset, batch, implementation, repeats, steps_per_call=32):
   return statistics.median(times) / steps_per_call
 
 
+def time_compaction(preset, batch, length, implementation, repeats, sets=4):
+  """Seconds per prefill compaction (top-cap of the T - W out-of-window tokens per row, KV head)."""
+  _, num_kv_heads, head_dim, window, cap = lte_shapes(preset)
+  keys = jax.random.split(jax.random.key(2), 2 * sets)
+  ks = [jax.random.normal(keys[i], (batch, length, num_kv_heads, head_dim), jnp.bfloat16)
+        for i in range(sets)]
+  scores = [jax.random.normal(keys[sets + i], (batch, length, num_kv_heads), jnp.float32)
+            for i in range(sets)]
+
+  @jax.jit
+  def run_all(ks, scores):
+    return [compact_top_scores(k, k, score, num_candidates=length - window, cap=cap,
+                               implementation=implementation) for k, score in zip(ks, scores)]
+  return median_seconds(run_all, (ks, scores), repeats) / sets
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--presets", nargs="+", default=["lalte-1.4b", "lalte-0.4b"])
@@ -147,7 +164,15 @@ def main(argv=None) -> int:
   if args.sweep:
     configs += [DecodeBlockSizes(block_slots=n, num_splits=s, num_stages=st)
                 for n in (64, 128) for s in (1, 2, 4) for st in (2, 3)]
-  results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": []}
+    # Several KV heads per program: each step reads a [block_slots, heads, D] slab (1 KiB rows at
+    # Hkv 8, D 64) instead of 128-byte rows; splits default to ~target_programs programs.
+    configs += [DecodeBlockSizes(block_slots=n, kv_heads_per_program=h, num_stages=st)
+                for h, n, st in ((2, 64, 3), (2, 32, 3), (4, 64, 2), (4, 32, 3), (8, 16, 3),
+                                 (8, 32, 2), (8, 32, 3))]
+    configs += [DecodeBlockSizes(block_slots=32, kv_heads_per_program=8, num_stages=2,
+                                 num_splits=s, num_warps=w) for s, w in ((4, 4), (8, 4), (8, 8))]
+  results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": [],
+             "compaction": []}
   header = ("| cache | pallas config | us/call | GB/s | / copy | xla us/call | rel err vs xla |\n"
             "|---|---|---|---|---|---|---|")
   print(header)
@@ -157,10 +182,16 @@ def main(argv=None) -> int:
     error = check_parity(inputs, lte_shapes(preset)[3])
     xla_s = time_attention(inputs, "xla", None, args.repeats)
     for block_sizes in configs:
-      seconds = time_attention(inputs, "pallas", block_sizes, args.repeats)
-      gbs = moved / seconds / 1e9
       label = "default" if block_sizes is None else (
-          f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}")
+          f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}"
+          f" w{block_sizes.num_warps} kvh{block_sizes.kv_heads_per_program}")
+      try:
+        seconds = time_attention(inputs, "pallas", block_sizes, args.repeats)
+      except Exception as error:  # pylint: disable=broad-except
+        # One config that fails to compile (e.g. shared memory) must not hide the others.
+        print(f"| {preset} B{args.batch} | {label} | FAILED {str(error)[:300]} |", flush=True)
+        continue
+      gbs = moved / seconds / 1e9
       results["attention"].append(dict(preset=preset, config=label, us=seconds * 1e6,
                                        GBps=gbs, ratio=gbs / copy_gbs, xla_us=xla_s * 1e6,
                                        parity_rel_err=error, bytes=moved))
@@ -173,6 +204,18 @@ def main(argv=None) -> int:
                                         us=seconds * 1e6))
       print(f"{preset} evict_and_insert B{args.batch} {implementation}: {seconds * 1e6:.1f} us"
             " per step (32 steps per jitted call, cache donated)")
+    for batch, length in ((8, 4096), (2, 16384)):
+      for implementation in ("xla", "pallas"):
+        try:
+          seconds = time_compaction(preset, batch, length, implementation, args.repeats)
+        except Exception as error:  # pylint: disable=broad-except
+          print(f"{preset} compact_top_scores B{batch} T{length} {implementation}: FAILED"
+                f" {str(error)[:300]}", flush=True)
+          continue
+        results["compaction"].append(dict(preset=preset, batch=batch, length=length,
+                                          implementation=implementation, us=seconds * 1e6))
+        print(f"{preset} compact_top_scores (prefill) B{batch} T{length} {implementation}:"
+              f" {seconds * 1e6:.1f} us", flush=True)
   print(header)
   print("\n".join(rows))
   print("command: python " + " ".join(sys.argv))

@@ -1,8 +1,8 @@
 """Decode attention in Pallas (Triton backend): split-K flash-decoding over the cache slots.
 
-Grid (B, Hkv, splits): one program reads one contiguous range of slots of one KV head once, for
-all G = Hq / Hkv query heads of that head together (rows padded to 16 for tl.dot), so K and V
-are read from memory exactly once per step: the op is bandwidth-bound and that is the point. With
+Grid (B, Hkv / heads per program, splits): one program reads one contiguous range of slots of
+its KV heads (one by default) once, for all G = Hq / Hkv query heads of each head together (rows
+padded to 16 for tl.dot), so K and V are read from memory exactly once per step: the op is bandwidth-bound and that is the point. With
 one split the program normalises and writes the output itself; with several, each writes its
 unnormalised partial output and softmax statistics (float32) and a small XLA step combines them.
 
@@ -42,6 +42,10 @@ class DecodeBlockSizes:
   num_warps: int = 4
   num_stages: int = 3
   target_programs: int = 512  # ~4 resident programs on each of H100/H200's 132 SMs
+  # KV heads read by one program (each step loads this many heads' rows of the same slots, i.e.
+  # one contiguous [block_slots, heads, D] slab when it is Hkv, instead of 128-byte rows strided by
+  # Hkv * D). Reduced to the largest divisor of Hkv not above it.
+  kv_heads_per_program: int = 1
 
   def __post_init__(self):
     if self.block_slots < MIN_DOT_DIM or self.block_slots & (self.block_slots - 1):
@@ -49,15 +53,22 @@ class DecodeBlockSizes:
                        f" got {self.block_slots}")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"DecodeBlockSizes.num_splits must be >= 1 or None, got {self.num_splits}")
-    for name in ("num_warps", "num_stages", "target_programs"):
+    for name in ("num_warps", "num_stages", "target_programs", "kv_heads_per_program"):
       if getattr(self, name) < 1:
         raise ValueError(f"DecodeBlockSizes.{name} must be >= 1, got {getattr(self, name)}")
+
+  def heads_per_program(self, num_kv_heads: int) -> int:
+    heads = min(self.kv_heads_per_program, num_kv_heads)
+    while num_kv_heads % heads:
+      heads -= 1
+    return heads
 
   def splits(self, batch: int, num_kv_heads: int, num_slots: int) -> int:
     blocks = pl.cdiv(num_slots, self.block_slots)
     if self.num_splits is not None:
       return min(self.num_splits, blocks)
-    return max(1, min(blocks, pl.cdiv(self.target_programs, batch * num_kv_heads)))
+    head_programs = num_kv_heads // self.heads_per_program(num_kv_heads)
+    return max(1, min(blocks, pl.cdiv(self.target_programs, batch * head_programs)))
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -82,63 +93,82 @@ def _check_supported(q_BHD, k_BNKD, v_BNKD):
         f"decode_attention[pallas]: dtype {q_BHD.dtype} is not supported (bf16, f16, f32)")
 
 
-def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, block_slots,
-                   blocks_per_split, scale, final, precision):
+def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, heads_per_program,
+                   block_slots, blocks_per_split, scale, final, precision):
   if has_valid:
     q_ref, k_ref, v_ref, length_ref, valid_ref, *out_refs = refs
   else:
     (q_ref, k_ref, v_ref, length_ref, *out_refs), valid_ref = refs, None
-  row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row, head_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
+  kv_heads = [head_block * heads_per_program + j for j in range(heads_per_program)]
 
-  # The G query heads of this KV head are consecutive: rows [kv_head * G, kv_head * G + G).
-  first_head = kv_head * group
+  # The G query heads of a KV head are consecutive: rows [kv_head * G, kv_head * G + G).
   row_ok_G = jnp.arange(group_pad) < group
-  q_GD = plgpu.load(q_ref.at[row, pl.ds(first_head, group_pad), :],
-                    mask=jnp.broadcast_to(row_ok_G[:, None], (group_pad, head_dim)), other=0.0)
-  length = length_ref[row, kv_head]
+  q_GD = [plgpu.load(q_ref.at[row, pl.ds(kv_head * group, group_pad), :],
+                     mask=jnp.broadcast_to(row_ok_G[:, None], (group_pad, head_dim)), other=0.0)
+          for kv_head in kv_heads]
+  lengths = [length_ref[row, kv_head] for kv_head in kv_heads]
 
-  def body(i, carry):
+  def attend(carry, q_GD, k_ND, v_NV, visible_N):
     max_G, sum_G, acc_GV = carry
-    start = (split * blocks_per_split + i) * block_slots
-    slot_N = start + jnp.arange(block_slots)
-    visible_N = slot_N < length
-    if has_valid:
-      index = (row, kv_head) if valid_per_head else (row,)
-      flag_N = plgpu.load(valid_ref.at[index + (pl.ds(start, block_slots),)], mask=visible_N,
-                          other=0)
-      visible_N = visible_N & (flag_N != 0)
-    k_ND = plgpu.load(k_ref.at[row, pl.ds(start, block_slots), kv_head, :],
-                      mask=jnp.broadcast_to(visible_N[:, None], (block_slots, head_dim)),
-                      other=0.0)
     scores_GN = _dot(q_GD, k_ND, trans_b=True, precision=precision) * scale
     scores_GN = jnp.where(visible_N[None, :], scores_GN, -jnp.inf)
     new_max_G = jnp.maximum(max_G, jnp.max(scores_GN, axis=1))
     rescale_G = jnp.exp(max_G - new_max_G)
     probs_GN = jnp.exp(scores_GN - new_max_G[:, None])
     sum_G = sum_G * rescale_G + jnp.sum(probs_GN, axis=1)
-    v_NV = plgpu.load(v_ref.at[row, pl.ds(start, block_slots), kv_head, :],
-                      mask=jnp.broadcast_to(visible_N[:, None], (block_slots, value_dim)),
-                      other=0.0)
     acc_GV = acc_GV * rescale_G[:, None] + _dot(probs_GN.astype(v_NV.dtype), v_NV,
                                                 precision=precision)
     return new_max_G, sum_G, acc_GV
 
+  def body(i, carries):
+    start = (split * blocks_per_split + i) * block_slots
+    slot_N = start + jnp.arange(block_slots)
+    shared_flag_N = None
+    if has_valid and not valid_per_head:
+      # Lengths are clamped to N, so the longest one bounds the load.
+      shared_flag_N = plgpu.load(valid_ref.at[row, pl.ds(start, block_slots)],
+                                 mask=slot_N < functools.reduce(jnp.maximum, lengths), other=0)
+    # All heads' loads are issued before any math: together they cover whole slot rows.
+    loaded = []
+    for kv_head, length in zip(kv_heads, lengths):
+      visible_N = slot_N < length
+      if has_valid:
+        if valid_per_head:
+          flag_N = plgpu.load(valid_ref.at[row, kv_head, pl.ds(start, block_slots)],
+                              mask=visible_N, other=0)
+        else:
+          flag_N = shared_flag_N
+        visible_N = visible_N & (flag_N != 0)
+      k_ND = plgpu.load(k_ref.at[row, pl.ds(start, block_slots), kv_head, :],
+                        mask=jnp.broadcast_to(visible_N[:, None], (block_slots, head_dim)),
+                        other=0.0)
+      v_NV = plgpu.load(v_ref.at[row, pl.ds(start, block_slots), kv_head, :],
+                        mask=jnp.broadcast_to(visible_N[:, None], (block_slots, value_dim)),
+                        other=0.0)
+      loaded.append((k_ND, v_NV, visible_N))
+    return tuple(attend(carry, q, k_ND, v_NV, visible_N)
+                 for carry, q, (k_ND, v_NV, visible_N) in zip(carries, q_GD, loaded))
+
   init = (jnp.full((group_pad,), EMPTY_MAX, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
           jnp.zeros((group_pad, value_dim), jnp.float32))
-  max_G, sum_G, acc_GV = jax.lax.fori_loop(0, blocks_per_split, body, init)
+  carries = jax.lax.fori_loop(0, blocks_per_split, body, (init,) * heads_per_program)
 
   out_mask_GV = jnp.broadcast_to(row_ok_G[:, None], (group_pad, value_dim))
-  if final:
-    (o_ref,) = out_refs
-    out_GV = acc_GV / jnp.where(sum_G > 0, sum_G, 1.0)[:, None]
-    plgpu.store(o_ref.at[row, pl.ds(first_head, group_pad), :], out_GV.astype(o_ref.dtype),
-                mask=out_mask_GV)
-  else:
-    o_ref, max_ref, sum_ref = out_refs
-    plgpu.store(o_ref.at[row, split, pl.ds(first_head, group_pad), :], acc_GV, mask=out_mask_GV)
-    plgpu.store(max_ref.at[row, split, pl.ds(first_head, group_pad)], max_G, mask=row_ok_G)
-    plgpu.store(sum_ref.at[row, split, pl.ds(first_head, group_pad)], sum_G, mask=row_ok_G)
+  for kv_head, (max_G, sum_G, acc_GV) in zip(kv_heads, carries):
+    first_head = kv_head * group
+    if final:
+      (o_ref,) = out_refs
+      out_GV = acc_GV / jnp.where(sum_G > 0, sum_G, 1.0)[:, None]
+      plgpu.store(o_ref.at[row, pl.ds(first_head, group_pad), :], out_GV.astype(o_ref.dtype),
+                  mask=out_mask_GV)
+    else:
+      o_ref, max_ref, sum_ref = out_refs
+      plgpu.store(o_ref.at[row, split, pl.ds(first_head, group_pad), :], acc_GV,
+                  mask=out_mask_GV)
+      plgpu.store(max_ref.at[row, split, pl.ds(first_head, group_pad)], max_G, mask=row_ok_G)
+      plgpu.store(sum_ref.at[row, split, pl.ds(first_head, group_pad)], sum_G, mask=row_ok_G)
 
 
 def _combine(out_BSHV, max_BSH, sum_BSH, dtype):
@@ -160,6 +190,7 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
   value_dim = v_BNKD.shape[-1]
   group = num_q_heads // num_kv_heads
   group_pad = max(MIN_DOT_DIM, pl.next_power_of_2(group))
+  heads_per_program = block_sizes.heads_per_program(num_kv_heads)
   splits = block_sizes.splits(batch, num_kv_heads, num_slots)
   blocks_per_split = pl.cdiv(pl.cdiv(num_slots, block_sizes.block_slots), splits)
 
@@ -185,12 +216,13 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
   kernel = functools.partial(
       _decode_kernel, has_valid=key_valid is not None,
       valid_per_head=key_valid is not None and key_valid.ndim == 3, group=group,
-      group_pad=group_pad, block_slots=block_sizes.block_slots,
+      group_pad=group_pad, heads_per_program=heads_per_program,
+      block_slots=block_sizes.block_slots,
       blocks_per_split=blocks_per_split, scale=float(scale), final=final, precision=precision)
   result = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(batch, num_kv_heads, splits),
+      grid=(batch, num_kv_heads // heads_per_program, splits),
       compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
       interpret=jax.default_backend() != "gpu",
       name="decode_attention",

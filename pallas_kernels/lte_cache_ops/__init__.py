@@ -11,10 +11,14 @@ import functools
 
 import jax
 
-from pallas_kernels.dispatch import Implementation, resolve
-from pallas_kernels.lte_cache_ops import pallas, reference
+from pallas_kernels.dispatch import Implementation, on_gpu, resolve
+from pallas_kernels.lte_cache_ops import pallas, pallas_compaction, reference
 
 __all__ = ["compact_top_scores", "evict_and_insert"]
+
+# What implementation=None runs on GPU for the prefill compaction: "xla" until
+# tools/bench_decode_attention.py measures the Pallas kernel faster at the model shapes.
+COMPACTION_GPU_DEFAULT = "xla"
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "cap", "implementation"))
@@ -27,7 +31,9 @@ def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Arra
     score_BTK: [B, T, K] scores (float32; sinks +inf, padding -inf).
     num_candidates: n, 1 <= n <= T: tokens [0, n) are out of the window.
     cap: b >= 1, the OOW capacity.
-    implementation: only "xla" exists (a once-per-prompt top-k; see docs/benchmarks.md).
+    implementation: "xla" (lax.top_k + sort + gathers) or "pallas" (one program per (row, KV
+      head): a bitwise threshold search and a prefix-count scatter of the kept rows; scores must
+      not be NaN). None: "xla" off GPU, COMPACTION_GPU_DEFAULT on GPU.
 
   Returns:
     oow_k, oow_v [B, cap, K, D], oow_score [B, cap, K] float32 in position order (invalid
@@ -42,7 +48,11 @@ def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Arra
                      f" {num_candidates}")
   if cap < 1:
     raise ValueError(f"compact_top_scores: cap must be >= 1, got {cap}")
-  version = resolve("compact_top_scores", implementation, {"xla": reference.compact_top_scores})
+  if implementation is None:
+    implementation = COMPACTION_GPU_DEFAULT if on_gpu() else "xla"
+  version = resolve("compact_top_scores", implementation,
+                    {"xla": reference.compact_top_scores,
+                     "pallas": pallas_compaction.compact_top_scores})
   return version(k_BTKD, v_BTKD, score_BTK, num_candidates, cap)
 
 

@@ -38,8 +38,15 @@ def build_kept_list(k_BSKD, v_BSKD, *, num_sinks, kept_BSK, key_valid_BS, capaci
   k_BSKD/v_BSKD may be padded past the real key length S = kept_BSK.shape[1] (when given); keys at
   or beyond S are never listed. capacity must be >= the number of real keys.
   """
-  batch, padded_len, num_kv_heads, _ = k_BSKD.shape
-  key_len = padded_len if kept_BSK is None else kept_BSK.shape[1]
+  key_len = k_BSKD.shape[1] if kept_BSK is None else kept_BSK.shape[1]
+  positions_BKC = kept_positions(
+      batch=k_BSKD.shape[0], key_len=key_len, num_kv_heads=k_BSKD.shape[2], num_sinks=num_sinks,
+      kept_BSK=kept_BSK, key_valid_BS=key_valid_BS, capacity=capacity)
+  return KeptList(positions_BKC, *gather_kept(k_BSKD, v_BSKD, positions_BKC))
+
+
+def kept_positions(*, batch, key_len, num_kv_heads, num_sinks, kept_BSK, key_valid_BS, capacity):
+  """int32 [B, Hkv, capacity]: listed positions ascending, then PAD_POSITION (see KeptList)."""
   if capacity < key_len:
     raise ValueError(f"build_kept_list: capacity {capacity} < key length {key_len}")
   key_pos_S = jnp.arange(key_len, dtype=jnp.int32)
@@ -51,15 +58,19 @@ def build_kept_list(k_BSKD, v_BSKD, *, num_sinks, kept_BSK, key_valid_BS, capaci
   # Sorting the positions (unlisted ones pushed to the end as PAD_POSITION) compacts and orders them
   # in one step.
   positions_BKS = jnp.sort(jnp.where(listed_BKS, key_pos_S, PAD_POSITION), axis=-1)
-  positions_BKC = jnp.pad(positions_BKS, ((0, 0), (0, 0), (0, capacity - key_len)),
-                          constant_values=PAD_POSITION)
+  return jnp.pad(positions_BKS, ((0, 0), (0, 0), (0, capacity - key_len)),
+                 constant_values=PAD_POSITION)
+
+
+def gather_kept(k_BSKD, v_BSKD, positions_BKC):
+  """(k_BCKD, v_BCKD): the listed keys/values; padding entries get zeros."""
   # Padding entries gather out of bounds ("fill"), so the gradient's scatter-add drops them.
   # Clipping them to the last key instead would make thousands of padding rows collide on one row
   # in the backward scatter-add (atomic contention).
   gather_BCK = jnp.transpose(positions_BKC, (0, 2, 1))[..., None]
   k_BCKD = jnp.take_along_axis(k_BSKD, gather_BCK, axis=1, mode="fill", fill_value=0)
   v_BCKD = jnp.take_along_axis(v_BSKD, gather_BCK, axis=1, mode="fill", fill_value=0)
-  return KeptList(positions_BKC, k_BCKD, v_BCKD)
+  return k_BCKD, v_BCKD
 
 
 def entries_per_query_tile(positions_BKC, *, block_q, num_q_tiles, query_offset, window_size):

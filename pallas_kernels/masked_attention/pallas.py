@@ -4,7 +4,9 @@ sinks, LTE training (window + kept keys) and LTE prefill (window + kept keys + l
 XLA pads T and S to the tile sizes and builds the sorted kept list (sinks + kept keys); the
 kernels (pallas_forward, pallas_backward) visit the window tiles plus only the list entries that
 are outside each query's window. Gradients wrt q, k, v come from a custom VJP (dq kernel, dk/dv
-window and kept-list kernels); the kept list's dk/dv reach k/v through the gather's own gradient.
+window and kept-list kernels); the kept list's dk/dv reach k/v through the gather's own gradient
+(taken in XLA before the call, or inside the backward with BlockSizes.gather_kept_in_kernel). A
+call that is not differentiated (prefill) runs the forward without its logsumexp output.
 On CPU the kernels run in Pallas interpret mode (for tests).
 """
 
@@ -30,7 +32,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
-  o, _ = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
+  # Not differentiated (prefill, evaluation): the forward that writes no logsumexp.
+  o, _ = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd, with_lse=False)
   return o
 
 
@@ -47,7 +50,17 @@ def _attention_core_bwd(problem, blocks, residuals, do):
   dq = backward_dq(problem, blocks, q, k, v, do, lse, delta, key_valid, kept, counts_dq)
   dk, dv = backward_dkdv_window(problem, blocks, q, k, v, do, lse, delta, key_valid)
   d_kept = None
-  if kept is not None:
+  if kept is not None and problem.gather_kept_in_kernel:
+    # The kept dk/dv kernel reads the entries' k/v as a list: gather them here, and send their
+    # gradients back through the gather's transpose (a scatter-add that drops padding entries).
+    (kept_k, kept_v), gather_transpose = jax.vjp(
+        lambda k, v: compaction.gather_kept(k, v, kept.positions_BKC), k, v)
+    dk_kept, dv_kept = backward_dkdv_kept(
+        problem, blocks, q, do, lse, delta,
+        compaction.KeptList(kept.positions_BKC, kept_k, kept_v))
+    dk_add, dv_add = gather_transpose((dk_kept.astype(k.dtype), dv_kept.astype(v.dtype)))
+    dk, dv = dk + dk_add.astype(jnp.float32), dv + dv_add.astype(jnp.float32)
+  elif kept is not None:
     dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept)
     d_kept = compaction.KeptList(None, dk_kept.astype(kept.k_BCKD.dtype),
                                  dv_kept.astype(kept.v_BCKD.dtype))
@@ -108,7 +121,8 @@ def masked_attention(
       query_len=query_len, key_len=key_len, padded_query_len=padded_query_len,
       padded_key_len=padded_key_len, head_dim=head_dim, num_q_heads=num_q_heads,
       num_kv_heads=num_kv_heads, window_size=window_size, has_kept_list=has_kept_list,
-      has_key_valid=key_valid_BS is not None, scale=float(scale), interpret=interpret)
+      has_key_valid=key_valid_BS is not None, scale=float(scale), interpret=interpret,
+      gather_kept_in_kernel=block_sizes.gather_kept_in_kernel)
 
   # Padding rows/keys are zeros: padded keys are masked by position, and padded query rows get a
   # zero output gradient, so they add nothing to dk/dv.
@@ -120,9 +134,14 @@ def masked_attention(
     key_valid = jnp.pad(key_valid_BS.astype(jnp.int32), ((0, 0), (0, padded_key_len - key_len)))
   kept = counts_fwd = counts_dq = None
   if has_kept_list:
-    kept = compaction.build_kept_list(
-        k_BSKD, v_BSKD, num_sinks=num_sinks, kept_BSK=kept_BSK, key_valid_BS=key_valid_BS,
-        capacity=padded_key_len)
+    positions_BKC = compaction.kept_positions(
+        batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
+        kept_BSK=kept_BSK, key_valid_BS=key_valid_BS, capacity=padded_key_len)
+    if block_sizes.gather_kept_in_kernel:
+      kept = compaction.KeptList(positions_BKC, None, None)
+    else:
+      kept = compaction.KeptList(positions_BKC,
+                                 *compaction.gather_kept(k_BSKD, v_BSKD, positions_BKC))
     counts_fwd, counts_dq = (
         compaction.entries_per_query_tile(
             kept.positions_BKC, block_q=block_q, num_q_tiles=padded_query_len // block_q,

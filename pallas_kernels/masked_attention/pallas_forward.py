@@ -6,6 +6,11 @@ entries of its KV head's kept list (sinks + LTE's kept keys, sorted by position)
 the window of some query of the tile; an entry counts for a query only when it is outside that
 query's window, so nothing is counted twice. Scores live in the log2 domain (exp2 is what the GPU
 computes natively); the saved logsumexp is log2-based too.
+
+Forward options (BlockSizes): `pack_gqa` runs the query heads of one KV head in one program (rows
+= positions x heads, read straight from the [T, Hq, D] layout where they are contiguous), so each
+K/V tile is loaded once per group; `gather_kept_in_kernel` reads the kept-list keys from k/v by
+position. Without gradients the forward writes no logsumexp.
 """
 
 from __future__ import annotations
@@ -52,16 +57,25 @@ def _unpack(refs, problem: Problem, num_extra_inputs: int):
   main = refs[:3 + num_extra_inputs]
   rest = refs[3 + num_extra_inputs:]
   key_valid_ref = rest.pop(0) if problem.has_key_valid else None
-  kept_refs = tuple(rest[:4]) if problem.has_kept_list else None
-  if problem.has_kept_list:
-    rest = rest[4:]
+  kept_refs = None
+  if problem.has_kept_list and problem.gather_kept_in_kernel:  # (counts, None, None, positions)
+    kept_refs, rest = (rest[0], None, None, rest[1]), rest[2:]
+  elif problem.has_kept_list:
+    kept_refs, rest = tuple(rest[:4]), rest[4:]
   return main, key_valid_ref, kept_refs, rest
 
 
 def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref, kept_refs, visit,
-                 carry):
-  """Runs visit(carry, k, v, mask_or_None, key_pos) over the window tiles, then the kept list."""
-  query_pos = problem.query_offset + q_start + jnp.arange(block_q, dtype=jnp.int32)
+                 carry, heads_per_position=1):
+  """Runs visit(carry, k, v, mask_or_None) over the window tiles, then the kept list.
+
+  The tile's rows are block_q query positions, each repeated heads_per_position times in a row
+  (GQA packing: row r is position q_start + r // heads_per_position).
+  """
+  row_R = jnp.arange(block_q * heads_per_position, dtype=jnp.int32)
+  if heads_per_position > 1:  # non-negative: truncating division is the floor
+    row_R = lax.div(row_R, jnp.int32(heads_per_position))
+  query_pos = problem.query_offset + q_start + row_R
   first, interior_start, interior_end, end = key_tiles_of_query_tile(
       problem, q_start, block_q, block_k)
 
@@ -82,18 +96,30 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
 
     def kept_tile(ct, carry):
       c_slice = pl.ds(ct * block_k, block_k)
-      mask = kept_mask(problem, query_pos, kept_pos_ref[c_slice])
+      entry_pos = kept_pos_ref[c_slice]
+      mask = kept_mask(problem, query_pos, entry_pos)
+      if kept_k_ref is None:
+        # Gather load from the whole K/V block. Padding entries (PAD_POSITION) read the last row
+        # instead, a finite value that their mask hides.
+        rows = jnp.minimum(entry_pos, problem.padded_key_len - 1)
+        return visit(carry, k_ref[rows, :], v_ref[rows, :], mask)
       return visit(carry, kept_k_ref[c_slice, :], kept_v_ref[c_slice, :], mask)
 
     carry = lax.fori_loop(0, cdiv(counts_ref[0], block_k), kept_tile, carry)
   return carry
 
 
-def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int):
-  (q_ref, k_ref, v_ref), key_valid_ref, kept_refs, (o_ref, lse_ref) = _unpack(refs, problem, 0)
+def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_rows: int,
+                    with_lse: bool):
+  """group_rows > 1: GQA packing, q/o blocks are [block_q, group_rows, D] (one KV head's heads)."""
+  (q_ref, k_ref, v_ref), key_valid_ref, kept_refs, out_refs = _unpack(refs, problem, 0)
   num_q_tiles = problem.padded_query_len // block_q
   q_start = (num_q_tiles - 1 - pl.program_id(0)) * block_q
+  num_rows = block_q * group_rows
+  head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
   q = q_ref[...]
+  if group_rows > 1:
+    q = q.reshape(num_rows, head_dim)  # rows (position, head): contiguous in [T, Hq, D] already
   score_scale = problem.scale * LOG2_E
 
   def visit(carry, k, v, mask):
@@ -110,13 +136,18 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int):
     acc = acc * correction[:, None] + dot_nn(p.astype(v.dtype), v)
     return acc, new_max, row_sum
 
-  carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
-           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  carry = (jnp.zeros((num_rows, value_dim), jnp.float32),
+           jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
   acc, row_max, row_sum = _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref,
-                                       key_valid_ref, kept_refs, visit, carry)
+                                       key_valid_ref, kept_refs, visit, carry, group_rows)
   empty = row_sum == 0.0  # no visible key: output 0 (the reference's convention)
-  o_ref[...] = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, 0.0, row_max + jnp.log2(jnp.where(empty, 1.0, row_sum)))
+  o = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(out_refs[0].dtype)
+  if group_rows > 1:
+    o = o.reshape(block_q, group_rows, value_dim)
+  out_refs[0][...] = o
+  if with_lse:  # training only: inference (prefill) never reads it, so it is not written there
+    lse = jnp.where(empty, 0.0, row_max + jnp.log2(jnp.where(empty, 1.0, row_sum)))
+    out_refs[1][...] = lse.reshape(block_q, group_rows) if group_rows > 1 else lse
 
 
 def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
@@ -142,15 +173,19 @@ def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
 
 
 def _query_major_specs(problem: Problem, block_q: int, with_backward_inputs: bool,
-                       key_valid, kept):
-  """in_specs and inputs-order tail for the grid (query tile, batch, query head)."""
+                       key_valid, kept, group_rows: int = 1):
+  """in_specs and inputs-order tail for the grid (query tile, batch, head).
+
+  The head axis of the grid counts query heads, or KV heads with GQA packing (group_rows > 1:
+  each q block holds the group_rows query heads of one KV head).
+  """
   num_q_tiles = problem.padded_query_len // block_q
   group = problem.group
+  kv_head = (lambda h: h) if group_rows > 1 else (lambda h: h // group)
   head_dim = problem.head_dim
-  q_tile = lambda i, b, h: (b, num_q_tiles - 1 - i, h, 0)
-  rows_spec = pl.BlockSpec((None, block_q, None, head_dim), q_tile)
+  rows_spec = _rows_spec(problem, block_q, group_rows)
   whole_kv = pl.BlockSpec((None, problem.padded_key_len, None, head_dim),
-                          lambda i, b, h: (b, 0, h // group, 0))
+                          lambda i, b, h: (b, 0, kv_head(h), 0))
   specs = [rows_spec, whole_kv, whole_kv]
   if with_backward_inputs:
     stat_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, num_q_tiles - 1 - i))
@@ -160,14 +195,33 @@ def _query_major_specs(problem: Problem, block_q: int, with_backward_inputs: boo
   if kept is not None:
     capacity = kept.positions_BKC.shape[-1]
     num_kv_heads = problem.num_kv_heads
-    specs += [
-        pl.BlockSpec((1,), lambda i, b, h: (
-            (b * num_kv_heads + h // group) * num_q_tiles + num_q_tiles - 1 - i,)),
-        pl.BlockSpec((None, capacity, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
-        pl.BlockSpec((None, capacity, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
-        pl.BlockSpec((None, None, capacity), lambda i, b, h: (b, h // group, 0)),
-    ]
+    specs.append(pl.BlockSpec((1,), lambda i, b, h: (
+        (b * num_kv_heads + kv_head(h)) * num_q_tiles + num_q_tiles - 1 - i,)))
+    if not problem.gather_kept_in_kernel:
+      specs += [
+          pl.BlockSpec((None, capacity, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
+          pl.BlockSpec((None, capacity, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
+      ]
+    specs.append(pl.BlockSpec((None, None, capacity), lambda i, b, h: (b, kv_head(h), 0)))
   return specs
+
+
+def _rows_spec(problem: Problem, block_q: int, group_rows: int):
+  """q/o blocks: [block_q, D] of one query head, or [block_q, group_rows, D] (GQA packing)."""
+  num_q_tiles = problem.padded_query_len // block_q
+  if group_rows > 1:
+    return pl.BlockSpec((None, block_q, group_rows, problem.head_dim),
+                        lambda i, b, h: (b, num_q_tiles - 1 - i, h, 0))
+  return pl.BlockSpec((None, block_q, None, problem.head_dim),
+                      lambda i, b, h: (b, num_q_tiles - 1 - i, h, 0))
+
+
+def packed_group(problem: Problem, blocks: BlockSizes) -> int:
+  """Query heads per forward program: the GQA group when packing applies, else 1."""
+  group = problem.group
+  if blocks.pack_gqa and group > 1 and not group & (group - 1):
+    return group
+  return 1
 
 
 def _tail_inputs(key_valid, kept, counts):
@@ -175,30 +229,51 @@ def _tail_inputs(key_valid, kept, counts):
   if key_valid is not None:
     inputs.append(key_valid)
   if kept is not None:
-    inputs += [counts.reshape(-1), kept.k_BCKD, kept.v_BCKD, kept.positions_BKC]
+    values = [] if kept.k_BCKD is None else [kept.k_BCKD, kept.v_BCKD]  # None: gathered in-kernel
+    inputs += [counts.reshape(-1), *values, kept.positions_BKC]
   return inputs
 
 
-def forward(problem: Problem, blocks: BlockSizes, q, k, v, key_valid, kept, counts):
-  """Padded inputs -> (o [B, Tp, Hq, D] in q's dtype, lse2 [B, Hq, Tp] float32)."""
+def forward(problem: Problem, blocks: BlockSizes, q, k, v, key_valid, kept, counts, *,
+            with_lse: bool = True):
+  """Padded inputs -> (o [B, Tp, Hq, D] in q's dtype, lse2 [B, Hq, Tp] float32 or None).
+
+  with_lse=False (inference) skips the logsumexp output.
+  """
   batch = q.shape[0]
   block_q, block_k = blocks.block_q, blocks.block_k
   num_q_tiles = problem.padded_query_len // block_q
-  rows_spec = pl.BlockSpec((None, block_q, None, problem.head_dim),
-                           lambda i, b, h: (b, num_q_tiles - 1 - i, h, 0))
-  return pl.pallas_call(
-      functools.partial(_forward_kernel, problem=problem, block_q=block_q, block_k=block_k),
-      grid=(num_q_tiles, batch, problem.num_q_heads),
-      in_specs=_query_major_specs(problem, block_q, False, key_valid, kept),
-      out_specs=[rows_spec, pl.BlockSpec((None, None, block_q),
-                                         lambda i, b, h: (b, h, num_q_tiles - 1 - i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, problem.num_q_heads, problem.padded_query_len),
-                                      jnp.float32)],
+  group_rows = packed_group(problem, blocks)
+  rows_spec = _rows_spec(problem, block_q, group_rows)
+  out_specs = [rows_spec]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if with_lse and group_rows > 1:  # rows are (position, head): lse comes out as [B, Tp, Hq]
+    out_specs.append(pl.BlockSpec((None, block_q, group_rows),
+                                  lambda i, b, h: (b, num_q_tiles - 1 - i, h)))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (batch, problem.padded_query_len, problem.num_q_heads), jnp.float32))
+  elif with_lse:
+    out_specs.append(pl.BlockSpec((None, None, block_q),
+                                  lambda i, b, h: (b, h, num_q_tiles - 1 - i)))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (batch, problem.num_q_heads, problem.padded_query_len), jnp.float32))
+  outputs = pl.pallas_call(
+      functools.partial(_forward_kernel, problem=problem, block_q=block_q, block_k=block_k,
+                        group_rows=group_rows, with_lse=with_lse),
+      grid=(num_q_tiles, batch, problem.num_q_heads // group_rows),
+      in_specs=_query_major_specs(problem, block_q, False, key_valid, kept, group_rows),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
       interpret=problem.interpret,
       name="masked_attention_fwd",
   )(q, k, v, *_tail_inputs(key_valid, kept, counts))
+  if not with_lse:
+    return outputs[0], None
+  o, lse = outputs
+  if group_rows > 1:
+    lse = jnp.transpose(lse, (0, 2, 1))  # small (float32 per row); the backward reads [B, Hq, Tp]
+  return o, lse
 
 
 def backward_dq(problem: Problem, blocks: BlockSizes, q, k, v, do, lse, delta, key_valid, kept,

@@ -38,10 +38,22 @@ class BlockSizes:
   # float32 atomics). Both measured the same LTE fwd+bwd on one H200 (9.01 vs 9.09 ms), so the
   # deterministic one is the default.
   kept_query_tiles_per_program: int = 0
+  # Forward only: one program runs the Hq / Hkv query heads that share a KV head (rows = block_q
+  # positions x group heads), so each K/V tile is loaded once per group instead of once per head.
+  # block_q then counts query positions, not rows. Needs a power-of-two group (else unpacked).
+  pack_gqa: bool = False
+  # Forward and dq read the kept-list keys/values straight from k/v by position (a gather load in
+  # the kernel) instead of from [B, S, Hkv, D] copies that XLA gathers before the call; the
+  # backward still gathers them once for the kept dk/dv kernel.
+  gather_kept_in_kernel: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
+      if field.name in ("pack_gqa", "gather_kept_in_kernel"):
+        if not isinstance(value, bool):
+          raise ValueError(f"BlockSizes.{field.name} must be a bool, got {value!r}")
+        continue
       if field.name.startswith("block") and (not _is_power_of_two(value) or value < 16):
         raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 16, got {value}")
       if field.name == "kept_query_tiles_per_program" and value < 0:
@@ -77,6 +89,7 @@ class Problem:
   has_key_valid: bool
   scale: float
   interpret: bool
+  gather_kept_in_kernel: bool = False  # see BlockSizes
 
   @property
   def query_offset(self) -> int:

@@ -98,6 +98,15 @@ def test_pallas_gqa_groups_and_per_head_masks(num_q_heads, num_kv_heads, per_hea
                 num_slots=37)
 
 
+@pytest.mark.parametrize("kv_heads_per_program,num_splits,per_head_mask",
+                         [(2, 2, False), (4, 1, True), (3, None, False)])
+def test_pallas_several_kv_heads_per_program(kv_heads_per_program, num_splits, per_head_mask):
+  # 4 KV heads: 3 per program is reduced to 2 (a divisor of Hkv).
+  _check_pallas(6, jnp.float32, DecodeBlockSizes(block_slots=16, num_splits=num_splits,
+                                                 kv_heads_per_program=kv_heads_per_program),
+                num_q_heads=8, num_kv_heads=4, per_head_mask=per_head_mask, num_slots=37)
+
+
 def test_pallas_without_lengths_or_mask_reads_every_slot():
   q, k, v, _, _ = _inputs(3)
   args = (jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
@@ -119,12 +128,16 @@ def test_arguments_are_checked():
     decode_attention(q[..., :12], k[..., :12], v[..., :12], implementation="pallas")
   with pytest.raises(ValueError, match="block_slots"):
     DecodeBlockSizes(block_slots=24)
+  with pytest.raises(ValueError, match="kv_heads_per_program"):
+    DecodeBlockSizes(kv_heads_per_program=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (16, 16)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_compiled_kernel_at_model_shapes(num_q_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize("block_sizes", [
+    DecodeBlockSizes(), DecodeBlockSizes(block_slots=32, kv_heads_per_program=8, num_stages=2)])
+def test_compiled_kernel_at_model_shapes(num_q_heads, num_kv_heads, dtype, block_sizes):
   # The LTE cache of the 1.4b / 0.4b presets: 769 ring + 512 compacted slots, D 64.
-  _check_pallas(5, dtype, DecodeBlockSizes(), batch=4, num_slots=1281, num_q_heads=num_q_heads,
+  _check_pallas(5, dtype, block_sizes, batch=4, num_slots=1281, num_q_heads=num_q_heads,
                 num_kv_heads=num_kv_heads, head_dim=64)

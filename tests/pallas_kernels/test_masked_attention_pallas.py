@@ -84,6 +84,17 @@ CASES = {
                                                 window_size=20, num_sinks=2, padded=True)),
     "lte_bf16_d32": (jnp.bfloat16, dict(batch=2, query_len=77, key_len=77, head_dim=32,
                                         window_size=33, num_sinks=2)),
+    # Kept keys read by position inside the forward/dq kernels; the backward scatters their dk/dv.
+    # With GQA packing (2 query heads per KV head in one forward program, whose lse feeds the
+    # backward) in the second case.
+    "prefill_padded_gather_kept_in_kernel": (jnp.float32, dict(
+        batch=2, query_len=30, key_len=77, window_size=20, num_sinks=2, padded=True,
+        blocks=dataclasses.replace(TINY_BLOCKS, gather_kept_in_kernel=True))),
+    "lte_bf16_packed_gather_kept_in_kernel": (jnp.bfloat16, dict(
+        batch=2, query_len=61, key_len=61, num_q_heads=4, num_kv_heads=2, head_dim=32,
+        window_size=21, num_sinks=2, blocks=dataclasses.replace(
+            TINY_BLOCKS, pack_gqa=True, gather_kept_in_kernel=True,
+            kept_query_tiles_per_program=0))),
 }
 
 
@@ -95,6 +106,20 @@ def test_interpret_matches_reference(case):
   blocks = overrides.pop("blocks", TINY_BLOCKS)
   _check_against_reference(functools.partial(_interpret_pallas, blocks=blocks), dtype=dtype,
                            **overrides)
+
+
+@pytest.mark.parametrize("pack_gqa,gather_kept_in_kernel", [(False, False), (True, True)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_inference_forward_matches_reference(pack_gqa, gather_kept_in_kernel, padded):
+  """Not differentiated: the forward without logsumexp (prefill), with each forward option."""
+  q, k, v, _, kept, key_valid = _inputs(
+      4, batch=2, query_len=30, key_len=45, num_q_heads=4, num_kv_heads=1, head_dim=16,
+      dtype=jnp.float32, padded=padded)
+  kwargs = dict(window_size=9, kept_BSK=kept, key_valid_BS=key_valid)
+  blocks = dataclasses.replace(TINY_BLOCKS, pack_gqa=pack_gqa,
+                               gather_kept_in_kernel=gather_kept_in_kernel)
+  actual = _interpret_pallas(q, k, v, blocks=blocks, **kwargs)
+  assert_close(actual, reference.masked_attention(q, k, v, **kwargs), jnp.float32)
 
 
 def test_public_entry_routes_to_pallas():
@@ -183,12 +208,48 @@ GPU_CASES = {
 }
 
 
+GPU_CASES.update({
+    "lte_bf16_packed_gather_kept": (jnp.bfloat16, dict(
+        batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
+        window_size=129, num_sinks=4, blocks=BlockSizes(
+            pack_gqa=True, block_q=32, block_k=64, gather_kept_in_kernel=True))),
+    "prefill_padded_bf16_packed": (jnp.bfloat16, dict(
+        batch=2, query_len=500, key_len=500, num_q_heads=8, num_kv_heads=2, head_dim=64,
+        window_size=65, padded=True, blocks=BlockSizes(pack_gqa=True, block_q=16, block_k=64))),
+})
+# Forward-block candidates of tools/bench_attention.py --sweep, checked without gradients.
+GPU_FORWARD_BLOCKS = (
+    BlockSizes(gather_kept_in_kernel=True),
+    BlockSizes(pack_gqa=True, block_q=16, block_k=128),
+    BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
+    BlockSizes(pack_gqa=True, block_q=64, block_k=32, num_warps=8, gather_kept_in_kernel=True),
+)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
 def test_gpu_matches_reference(case):
   dtype, overrides = GPU_CASES[case]
-  fn = lambda q, k, v, **kw: masked_attention(q, k, v, implementation="pallas", **kw)
+  overrides = dict(overrides)
+  blocks = overrides.pop("blocks", None)
+  if blocks is None:
+    fn = lambda q, k, v, **kw: masked_attention(q, k, v, implementation="pallas", **kw)
+  else:
+    fn = functools.partial(attention_pallas.masked_attention, block_sizes=blocks)
   _check_against_reference(fn, dtype=dtype, **overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", GPU_FORWARD_BLOCKS, ids=str)
+def test_gpu_inference_forward_matches_reference(blocks):
+  q, k, v, _, kept, key_valid = _inputs(
+      9, batch=2, query_len=700, key_len=900, num_q_heads=8, num_kv_heads=2, head_dim=64,
+      dtype=jnp.bfloat16, padded=True)
+  kwargs = dict(window_size=129, kept_BSK=kept, key_valid_BS=key_valid)
+  actual = attention_pallas.masked_attention(q, k, v, block_sizes=blocks, **kwargs)
+  as_f32 = lambda x: x.astype(jnp.float32)
+  expected = reference.masked_attention(as_f32(q), as_f32(k), as_f32(v), **kwargs)
+  assert_close(actual, expected, jnp.bfloat16)
 
 
 @pytest.mark.gpu
