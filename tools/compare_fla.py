@@ -5,7 +5,8 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    `chunk_gated_delta_rule` (PyTorch, shared through DLPack, so the values are identical) and to
    ours (`implementation="pallas"`); prints the forward's relative difference and the medians of
    forward and forward+backward time after warm-up, rotating two input sets, and the ratios.
-   Also times our pieces: the fused Pallas preparation (step a; forward, and forward + backward)
+   Also times our pieces: the preparation (step a; forward, and forward + backward; the default
+   XLA one and, at K <= 128, the opt-in fused Pallas one)
    and the Pallas chunk scan alone.
 2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
    `--sweep-prep`: the same for the preparation kernels (pallas_prepare.PrepareConfig).
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
 from pallas_kernels.gated_delta_rule import ChunkConfig, StatePassConfig, chunk_gated_delta_rule
+from pallas_kernels.gated_delta_rule.pallas import prepare_scan_inputs
 from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
 from pallas_kernels.gated_delta_rule.pallas_state_pass import chunk_scan, default_state_config
 
@@ -120,11 +122,15 @@ def ours(config: ChunkConfig):
   return jax.jit(forward), jax.jit(forward_backward)
 
 
-def prep_fns(config: PrepareConfig | None = None):
-  """Jitted fused preparation: forward, and forward + backward (cotangents = the outputs)."""
+def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
+  """Jitted preparation (step a): forward, and forward + backward (cotangents = the outputs).
+  fused=False: the default (XLA + the Pallas inverse); True: the fused Pallas kernels."""
   def forward(q, k, v, g, beta):
-    return prepare_chunks(q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64,
-                          config=config)
+    if fused:
+      return prepare_chunks(q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64,
+                            config=config)
+    return prepare_scan_inputs(q, k, v, g, beta, scale=None, initial_state=None,
+                               use_qk_l2norm=True, chunk_size=64)[:6]
 
   def forward_backward(q, k, v, g, beta):
     outputs, vjp = jax.vjp(forward, q, k, v, g, beta)
@@ -160,12 +166,17 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
                                     sync=sync_jax)
   record["ours_fwdbwd_ms"] = median_ms(forward_backward, jax_sets_bwd, warmup=warmup,
                                        repeats=repeats, sync=sync_jax)
-  # Our pieces: the fused preparation (forward; forward + backward) and the Pallas scan alone.
-  prep, prep_fwd_bwd = prep_fns()
-  record["ours_prep_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
-                                         sync=sync_jax)
-  record["ours_prep_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
-                                            repeats=repeats, sync=sync_jax)
+  # Our pieces: the preparation (forward; forward + backward; the fused Pallas one too where it
+  # runs, K <= 128) and the Pallas scan alone.
+  for key, fused in (("ours_prep", False), ("ours_fused_prep", True)):
+    if fused and dim > 128:
+      continue
+    prep, prep_fwd_bwd = prep_fns(fused=fused)
+    record[f"{key}_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
+                                        sync=sync_jax)
+    record[f"{key}_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
+                                           repeats=repeats, sync=sync_jax)
+  prep, _ = prep_fns()
   scan_inputs = scan_inputs_of(prep, jax_sets)
   scan = jax.jit(lambda *a: chunk_scan(*a, 64, "bfloat16", False, default_state_config(dim)))
   record["ours_scan_fwd_ms"] = median_ms(scan, scan_inputs, warmup=warmup, repeats=repeats,
@@ -251,7 +262,7 @@ def sweep_prep_shape(shape, args, results):
     config = PrepareConfig(num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd,
                            num_stages_bwd=stages_bwd)
     record = {"sweep": "prep", "shape": name, "config": [warps, stages, warps_bwd, stages_bwd]}
-    for key, fn in zip(("fwd_ms", "fwdbwd_ms"), prep_fns(config)):
+    for key, fn in zip(("fwd_ms", "fwdbwd_ms"), prep_fns(config, fused=True)):
       try:
         record[key] = median_ms(fn, jax_sets, warmup=2, repeats=10, sync=jax.block_until_ready)
       except Exception as error:  # pylint: disable=broad-except

@@ -32,6 +32,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -144,6 +145,10 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
       seed=config.seed, shuffle=False, process_index=jax.process_index(),
       process_count=jax.process_count())
   summary = trainer.run()
+  if args.single_run:
+    # A child's training is over: the parent's deadline SIGTERM (meant to cut training short)
+    # must not kill the evaluation; the parent kills it outright after its grace period.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
   steps_trained = summary.get("stopped_at", config.steps)
   train_seconds = time.perf_counter() - start
   export_dir = directory / "export"

@@ -45,14 +45,19 @@ class ChunkConfig:
     "xla"; "pallas" needs a power of two >= 16.
   state_pass: launch parameters of the Pallas chunk-scan kernels ("pallas" only); None picks
     them by head size (`pallas_state_pass.default_state_config`).
+  fused_prepare: "pallas" only: prepare the chunks in one fused Pallas kernel per chunk instead of
+    XLA + the Pallas inverse (opt-in: slower today and K, V <= 128; see pallas.py).
   """
   chunk_size: int = 64
   state_pass: StatePassConfig | None = None
+  fused_prepare: bool = False
 
   def __post_init__(self):
     if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) \
         or self.chunk_size < 1:
       raise ValueError(f"ChunkConfig.chunk_size must be a positive int, got {self.chunk_size!r}")
+    if not isinstance(self.fused_prepare, bool):
+      raise ValueError(f"ChunkConfig.fused_prepare must be a bool, got {self.fused_prepare!r}")
     if self.state_pass is not None and not isinstance(self.state_pass, StatePassConfig):
       raise ValueError(
           "ChunkConfig.state_pass must be a StatePassConfig or None, got"
@@ -108,7 +113,8 @@ def _chunk_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state,
   return chunk_gated_delta_rule_pallas(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-      chunk_size=config.chunk_size, state_config=config.state_pass)
+      chunk_size=config.chunk_size, state_config=config.state_pass,
+      fused_prepare=config.fused_prepare)
 
 
 def chunk_gated_delta_rule(

@@ -1,16 +1,21 @@
 """`implementation="pallas"` of `chunk_gated_delta_rule`: the chunked WY form around Pallas kernels.
 
 Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
-  (a) per chunk, in parallel (one Pallas program per chunk, pallas_prepare.py): l2norm, cumulative
-      log-decay, A, T = (I + A)^-1, w = T diag(beta exp(G)) k, u = T diag(beta) v,
-      kd = diag(exp(G_C - G)) k, a = exp(G_C); and the output's inputs qg = q exp(G),
-      p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i);
+  (a) per chunk, in parallel (`prepare_scan_inputs`: XLA batched matmuls, the inverse in one
+      Pallas program per chunk, pallas_inverse.py): l2norm, cumulative log-decay, A,
+      T = (I + A)^-1, w = T diag(beta exp(G)) k, u = T diag(beta) v, kd = diag(exp(G_C - G)) k,
+      a = exp(G_C); and the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j),
+      j <= i). `fused_prepare=True` runs (a) as one fused Pallas kernel per chunk instead
+      (pallas_prepare.py, hand-written backward kernel); it measured slower on one H100 (K=V=128:
+      prep fwd 2.56 vs 1.71 ms, fwd+bwd 13.5 vs ~4 ms; its 63 serial substitution steps per
+      chunk dominate) and its backward needs more shared memory than Hopper has at K=256, so it
+      is opt-in for K, V <= 128 until its inverse is blockwise;
   (b) the sequential pass over chunks with the outputs fused in (Pallas, pallas_state_pass.py):
       v_new = u - w h, o = qg h + p v_new, h <- a h + kd^T v_new, keeping each program's state
       slice on chip (the per-chunk states never reach memory unless a gradient needs them).
-Both pieces are custom_vjps with hand-written backward kernels. `prepare_scan_inputs` below is
-step (a) in plain XLA: the readable reference the fused kernels are tested against (not used by
-the main path).
+The gradient composes autodiff of (a) with the hand-written backwards of the Pallas pieces
+(`chunk_scan` and the inverse are custom_vjps). `prepare_scan_inputs` is also the reference the
+fused preparation kernels are tested against.
 
 Precision: float32 inputs use float32 everywhere at full precision (the float32 tolerance); bf16
 inputs keep float32 states, accumulation and inverse but feed the matmuls bf16 operands and store
@@ -33,11 +38,8 @@ from pallas_kernels.gated_delta_rule.pallas_state_pass import (
     chunk_scan,
     default_state_config,
 )
-from pallas_kernels.gated_delta_rule.reference import (
-    _prepare_inputs,
-    compute_dtype,
-    unit_lower_inverse,
-)
+from pallas_kernels.gated_delta_rule.pallas_inverse import unit_lower_inverse
+from pallas_kernels.gated_delta_rule.reference import _prepare_inputs, compute_dtype
 
 __all__ = ["chunk_gated_delta_rule_pallas", "next_power_of_two", "prepare_scan_inputs",
            "uses_exact_matmuls"]
@@ -74,7 +76,8 @@ def _check_supported(q, k, v, g, beta, initial_state, chunk_size):
 
 def prepare_scan_inputs(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm,
                         chunk_size: int):
-  """Step (a) in XLA: the reference for pallas_prepare.prepare_chunks (tests), not the main path.
+  """Step (a), all chunks at once (XLA, with the Pallas inverse); the default preparation and the
+  reference of pallas_prepare.prepare_chunks (tests).
 
   Returns (w, u, kd, qg, p, chunk_decay, padded initial state), the arguments of `chunk_scan`
   before its static ones; see pallas_state_pass.py for their layouts.
@@ -145,26 +148,45 @@ def prepare_scan_inputs(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm
 def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                   use_qk_l2norm, chunk_size: int,
                                   state_config: StatePassConfig | None = None,
+                                  fused_prepare: bool = False,
                                   prepare_config: PrepareConfig | None = None):
   """Same contract as `chunk_gated_delta_rule` (inputs validated there)."""
   _check_supported(q, k, v, g, beta, initial_state, chunk_size)
   exact = uses_exact_matmuls(q, k, v)
   store_dtype = "float32" if exact else "bfloat16"
+  batch, seq_len, heads, key_dim = q.shape
+  value_dim = v.shape[3]
+  if not fused_prepare:
+    *scan_inputs, state_BHKV = prepare_scan_inputs(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size)
+    return _scan(scan_inputs, state_BHKV, chunk_size, store_dtype, exact, state_config,
+                 output_final_state, seq_len, key_dim, value_dim, v.dtype)
+  if max(next_power_of_two(key_dim), next_power_of_two(value_dim)) > 128:
+    raise NotImplementedError(
+        "chunk_gated_delta_rule(implementation='pallas', fused_prepare=True): K, V padded to"
+        f" {next_power_of_two(key_dim)}, {next_power_of_two(value_dim)}; the fused preparation's"
+        " backward needs > 227 KiB of shared memory above 128 (use fused_prepare=False)")
   w, u, kd, qg, p, chunk_decay = prepare_chunks(
       q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
       config=prepare_config)
-  batch, seq_len, heads, key_dim = q.shape
-  value_dim = v.shape[3]
   padded_k, padded_v = w.shape[-1], u.shape[-1]
   if initial_state is None:
     state_BHKV = jnp.zeros((batch, heads, padded_k, padded_v), jnp.float32)
   else:
     state_BHKV = jnp.pad(initial_state.astype(jnp.float32),
                          [(0, 0), (0, 0), (0, padded_k - key_dim), (0, padded_v - value_dim)])
+  return _scan((w, u, kd, qg, p, chunk_decay), state_BHKV, chunk_size, store_dtype, exact,
+               state_config, output_final_state, seq_len, key_dim, value_dim, v.dtype)
+
+
+def _scan(scan_inputs, state_BHKV, chunk_size, store_dtype, exact, state_config,
+          output_final_state, seq_len, key_dim, value_dim, dtype):
+  """Step (b) and the slicing back to the caller's T, K, V."""
   o_BTHV, final_state_BHKV = chunk_scan(
-      w, u, kd, qg, p, chunk_decay, state_BHKV, chunk_size, store_dtype, exact,
-      default_state_config(padded_k) if state_config is None else state_config)
-  o_BTHV = o_BTHV[:, :seq_len, :, :value_dim].astype(v.dtype)
+      *scan_inputs, state_BHKV, chunk_size, store_dtype, exact,
+      default_state_config(state_BHKV.shape[2]) if state_config is None else state_config)
+  o_BTHV = o_BTHV[:, :seq_len, :, :value_dim].astype(dtype)
   if not output_final_state:
     return o_BTHV, None
   return o_BTHV, final_state_BHKV[:, :, :key_dim, :value_dim]

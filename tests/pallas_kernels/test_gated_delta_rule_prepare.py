@@ -88,3 +88,18 @@ def test_prepare_chunks_on_gpu_matches_xla(dtype):
   # of it.
   _compare(dtype, seq_len=1000, chunk_size=64, key_dim=128, value_dim=128, use_qk_l2norm=True,
            seed=31)
+
+
+def test_fused_prepare_is_opt_in_through_the_public_entry_and_limited_to_128():
+  from pallas_kernels.gated_delta_rule import ChunkConfig, chunk_gated_delta_rule
+  args = _inputs(3, jnp.float32, seq_len=20, key_dim=16, value_dim=16, use_qk_l2norm=True)
+  run = lambda config: chunk_gated_delta_rule(*args, use_qk_l2norm=True, implementation="pallas",
+                                              config=config)[0]
+  assert_close(run(ChunkConfig(chunk_size=16, fused_prepare=True)),
+               run(ChunkConfig(chunk_size=16)), jnp.float32, name="o")
+  wide = _inputs(3, jnp.float32, seq_len=20, key_dim=200, value_dim=16, use_qk_l2norm=True)
+  with pytest.raises(NotImplementedError, match="fused_prepare"):
+    chunk_gated_delta_rule(*wide, implementation="pallas",
+                           config=ChunkConfig(chunk_size=16, fused_prepare=True))
+  with pytest.raises(ValueError, match="fused_prepare"):
+    ChunkConfig(fused_prepare=1)
