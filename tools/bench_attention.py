@@ -17,6 +17,7 @@ Ratios are against cuDNN SWA-1024 (or cuDNN causal for causal rows) in the same 
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import functools
 import os
@@ -293,6 +294,21 @@ def tiny_model_check():
   return lines
 
 
+def write_json(path, results, argv) -> None:
+  """{"device", "command", "timings": [{batch, length, kernel, mode, ms, anchor, ratio}]}."""
+  timings = []
+  for (shape, name, mode), (ms, anchor) in results.items():
+    batch, length = (int(part[1:]) for part in shape.split())  # "B8 T4096"
+    anchor_ms = results.get((shape, anchor, mode), (float("nan"),))[0]
+    timings.append({"batch": batch, "length": length, "kernel": name, "mode": mode, "ms": ms,
+                    "anchor": anchor, "ratio": ms / anchor_ms})
+  payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "command": "python tools/bench_attention.py " + " ".join(
+                 sys.argv[1:] if argv is None else argv), "timings": timings}
+  with open(path, "w", encoding="utf-8") as file:
+    json.dump(payload, file, indent=2)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="B8 T4096 only")
@@ -307,6 +323,8 @@ def main(argv=None) -> int:
   parser.add_argument("--only", nargs="*", help="only variants whose name contains one of these"
                       " (with --sweep: only those candidates; cuDNN SWA-1024 is always timed)")
   parser.add_argument("--no-checks", action="store_true", help="skip parity and model checks")
+  parser.add_argument("--json", help="also write every timing here (tools/plot_results.py"
+                      " --kernel-bench draws time against sequence length from it)")
   args = parser.parse_args(argv)
   print(f"devices: {jax.devices()}, jax {jax.__version__}", flush=True)
   results = {}
@@ -332,6 +350,8 @@ def main(argv=None) -> int:
     anchor_ms = results.get((shape, anchor, mode), (float("nan"),))[0]
     print(f"| {shape} | {name} | {mode} | {ms:.3f} | {ms / anchor_ms:.2f}x {anchor} |")
   print("\n" + "\n".join(lines))
+  if args.json:
+    write_json(args.json, results, argv)
   print("command: python tools/bench_attention.py " + " ".join(sys.argv[1:] if argv is None
                                                                else argv))
   return 0

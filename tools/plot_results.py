@@ -9,6 +9,11 @@ From a results directory of `tools/repro.py` (or of `python -m lalte_jax.eval`) 
   out-of-window positions (paper Fig. 5; from `<results>/lalte/retention.json`, or `--retention`);
 - `lte_controller.png`: the sparsity weight lambda and the retention count c of every LTE layer
   and head over training, with the cap b (from `<results>/lalte/metrics.jsonl`, or `--metrics`).
+- `training_loss.png`: every model's training loss against the step (from
+  `<results>/<model>/metrics.jsonl` for each model of results.json);
+- `kernel_speed_vs_length.png` (with `--kernel-bench FILE`, the `--json` output of
+  tools/bench_attention.py): time of each attention kernel against the sequence length at a fixed
+  token count, forward and forward+backward (paper Fig. 3 analogue).
 Figures whose inputs are missing are skipped with a message. Needs matplotlib
 (`pip install matplotlib`).
 """
@@ -124,6 +129,54 @@ def plot_lte_controller(records: list[dict], path: pathlib.Path,
   return path
 
 
+def plot_training_loss(losses: dict[str, list[tuple[int, float]]],
+                       path: pathlib.Path) -> pathlib.Path:
+  """Training loss against the step, one line per model."""
+  plt = _pyplot()
+  figure, axis = plt.subplots(figsize=(7, 4))
+  for model, points in losses.items():
+    axis.plot([p[0] for p in points], [p[1] for p in points], label=model, linewidth=1)
+  axis.set_xlabel("step")
+  axis.set_ylabel("training loss (cross-entropy on the answers)")
+  axis.grid(alpha=0.3)
+  axis.legend(fontsize="small")
+  figure.tight_layout()
+  figure.savefig(path, dpi=150)
+  plt.close(figure)
+  return path
+
+
+def plot_kernel_speed(bench: dict, path: pathlib.Path) -> pathlib.Path:
+  """ms against sequence length per kernel, one panel per mode (fwd, fwd+bwd)."""
+  plt = _pyplot()
+  timings = bench["timings"]
+  if not timings:
+    raise ValueError("kernel bench: no timings")
+  modes = list(dict.fromkeys(t["mode"] for t in timings))
+  figure, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+  for axis, mode in zip(axes[0], modes):
+    by_kernel: dict[str, list[tuple[int, float]]] = {}
+    for timing in timings:
+      if timing["mode"] == mode:
+        by_kernel.setdefault(timing["kernel"], []).append((timing["length"], timing["ms"]))
+    for kernel, points in by_kernel.items():
+      points.sort()
+      axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kernel)
+    lengths = sorted({t["length"] for t in timings})
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(lengths)
+    axis.get_xaxis().set_major_formatter(plt.ScalarFormatter())
+    axis.set_xlabel("sequence length T (batch x T fixed)")
+    axis.set_ylabel("ms per call")
+    axis.set_title(f"{mode} ({bench.get('device', '')})", fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="x-small")
+  figure.tight_layout()
+  figure.savefig(path, dpi=150)
+  plt.close(figure)
+  return path
+
+
 def main(argv=None) -> list[pathlib.Path]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
   parser.add_argument("--results", required=True, help="directory holding results.json")
@@ -131,6 +184,7 @@ def main(argv=None) -> list[pathlib.Path]:
   parser.add_argument("--lte-model", default="lalte", help="sub-directory of the LTE run")
   parser.add_argument("--retention", help="retention.json (default: <results>/<lte-model>/)")
   parser.add_argument("--metrics", help="metrics.jsonl (default: <results>/<lte-model>/)")
+  parser.add_argument("--kernel-bench", help="JSON of tools/bench_attention.py --json")
   args = parser.parse_args(argv)
   results_dir = pathlib.Path(args.results)
   out = pathlib.Path(args.out) if args.out else results_dir / "figures"
@@ -156,6 +210,19 @@ def main(argv=None) -> list[pathlib.Path]:
                                        cap=cap))
   else:
     print(f"skipped lte_controller: {metrics_path} does not exist", file=sys.stderr)
+  losses = {}
+  if results_path.is_file():
+    for model in json.loads(results_path.read_text()).get("models", []):
+      path = results_dir / model / "metrics.jsonl"
+      if path.is_file():
+        losses[model] = [(r["step"], r["ce_loss"]) for r in read_metrics(path) if "ce_loss" in r]
+  if losses:
+    written.append(plot_training_loss(losses, out / "training_loss.png"))
+  else:
+    print("skipped training_loss: no <results>/<model>/metrics.jsonl", file=sys.stderr)
+  if args.kernel_bench:
+    written.append(plot_kernel_speed(json.loads(pathlib.Path(args.kernel_bench).read_text()),
+                                     out / "kernel_speed_vs_length.png"))
   for path in written:
     print(f"wrote {path}")
   return written
