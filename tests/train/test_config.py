@@ -70,8 +70,8 @@ def test_cli_rejects_unknown_key_before_any_work(capsys):
 
 
 def test_config_file_with_argument_selects_one_experiment_of_a_family():
-  config = load_config("configs/repro/common.py:lalte", ["steps=70"])
-  assert config.variant == "lalte" and config.steps == 70
+  config = load_config("configs/repro/common.py:lalte", ["steps=700"])
+  assert config.variant == "lalte" and config.steps == 700
   assert config.model_config().layer_pattern == ("gdn", "lte", "gdn", "lte")
   with pytest.raises(ValueError, match="variant"):
     load_config("configs/repro/common.py:mamba")

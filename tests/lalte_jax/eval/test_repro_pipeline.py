@@ -38,5 +38,5 @@ def test_smoke_study_writes_results_and_figures(tmp_path):
   pytest.importorskip("matplotlib")
   written = load_tool("plot_results").main(["--results", str(tmp_path)])
   assert sorted(p.name for p in written) == ["accuracy_vs_length.png", "lte_controller.png",
-                                             "retention_heatmap.png"]
+                                             "retention_heatmap.png", "training_loss.png"]
   assert all(p.stat().st_size > 1000 for p in written)
