@@ -195,12 +195,15 @@ class StopSignals:
       signal.signal(signum, handler)
     self._previous = {}
 
-  def stop_now(self) -> bool:
-    """Whether to stop after this step. With several processes a signal may reach them at
+  def stop_now(self, step: int = 0, check_every: int = 1) -> bool:
+    """Whether to stop after `step`. With several processes a signal may reach them at
     different steps, so they agree (any process asked -> all stop) through a tiny all-gather,
-    which waits for the step in flight: the price of stopping everywhere at the same step."""
+    which waits for the step in flight; they do so only at steps divisible by `check_every`,
+    the same steps everywhere, so that the other steps keep dispatching ahead."""
     if jax.process_count() == 1:
       return self.requested
+    if step % check_every:
+      return False
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
     return bool(np.any(flags))

@@ -97,6 +97,10 @@ class TrainConfig:
   # into <run_dir>/export in `export_dtype` (float32 = the master weights, lossless).
   checkpoint_every: int = 100
   checkpoint_keep: int = 3
+  # Multi-process runs agree on a SIGTERM/SIGINT every `stop_check_every` steps (the agreement is a
+  # collective that waits for the step in flight, so checking every step would stall dispatch).
+  # One process checks its own flag every step.
+  stop_check_every: int = 10
   resume: bool = True
   export_dtype: str = "float32"
 
@@ -140,6 +144,8 @@ class TrainConfig:
     _require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
     _require(self.checkpoint_every >= 0, "checkpoint_every",
              f"must be >= 0 (0 = only at the end), got {self.checkpoint_every}")
+    _require(self.stop_check_every > 0, "stop_check_every",
+             f"must be positive, got {self.stop_check_every}")
     _require(self.checkpoint_keep > 0, "checkpoint_keep",
              f"must be positive, got {self.checkpoint_keep}")
     _require(self.export_dtype in DTYPES, "export_dtype", f"{self.export_dtype!r} not in {DTYPES}")

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+from lalte_jax.sharding import BATCH_AXES, MESH_AXES
+
 # (path regex, dimension sharded over "tensor"); first match wins.
 TENSOR_RULES = (
     (r"(^|/)embed/embedding$", 0),
@@ -93,6 +93,23 @@ def train_state_shardings(state_shapes, mesh: Mesh):
       controller=jax.tree.map(lambda _: rep, state_shapes.controller),
       params=param_shardings(state_shapes.params, mesh),
       opt_state=param_shardings(state_shapes.opt_state, mesh))
+
+
+class MeshJit:
+  """A `jax.jit` function traced, compiled and run under `jax.set_mesh(mesh)`, so that the
+  model's kernels run per shard (`lalte_jax.sharding.per_shard`) instead of being gathered."""
+
+  def __init__(self, fn, mesh: Mesh, **jit_kwargs):
+    self.jitted = jax.jit(fn, **jit_kwargs)
+    self.mesh = mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -119,9 +119,9 @@ class Trainer:
                  for name, rows in batch.items()}
         return per_process_step(state, batch)
 
-    self.step_fn = jax.jit(step_fn, in_shardings=(self.state_shardings, batch_sh),
-                           out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
-                           donate_argnums=0)
+    self.step_fn = sharding.MeshJit(
+        step_fn, self.mesh, in_shardings=(self.state_shardings, batch_sh),
+        out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
     self.logger = logger or MetricsLogger(
         config.run_dir, total_steps=config.steps,
         initial_step=int(sharding.to_host(self.state.step)),
@@ -206,7 +206,7 @@ class Trainer:
           # Asynchronous; the end of the run saves anyway.
           self.checkpoints.save(step, self.state, self.data_iterator)
         watchdog.feed()
-        if stop is not None and stop.stop_now():
+        if stop is not None and stop.stop_now(step, config.stop_check_every):
           return {"stopped_at": step, "signal": stop.signal_name or "another process",
                   "elapsed_s": time.perf_counter() - wall_start}
     if previous is not None:
@@ -241,12 +241,13 @@ class Trainer:
                             process_count=jax.process_count())
     graphdef = self.graphdef
 
-    @jax.jit
     def eval_batch(params, batch):
       logits_BTV = nnx.merge(graphdef, params)(batch["tokens"])
       scored_BT = batch["labels"] != IGNORE_LABEL
       correct = jnp.sum((jnp.argmax(logits_BTV, axis=-1) == batch["labels"]) & scored_BT)
       return correct, jnp.sum(scored_BT), masked_cross_entropy_sum(logits_BTV, batch["labels"])
+
+    eval_batch = sharding.MeshJit(eval_batch, self.mesh)
 
     correct = scored = ce_sum = 0.0
     for index, local_batch in enumerate(iterator):

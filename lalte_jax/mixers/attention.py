@@ -11,6 +11,7 @@ from flax import nnx
 from lalte_jax.config import ModelConfig
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.projections import input_projection, output_projection
+from lalte_jax.sharding import per_shard
 from pallas_kernels.masked_attention import masked_attention
 
 
@@ -53,6 +54,8 @@ class Attention(nnx.Module):
     positions_BT = default_positions(*x_BTD.shape[:2])
     q_BTHD = apply_rope(q_BTHD, positions_BT, attn.rope_theta)
     k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
-    o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,
-                              implementation=attn.implementation)
+    o_BTHD = per_shard(
+        lambda q, k, v: masked_attention(q, k, v, window_size=attn.window_size,
+                                         implementation=attn.implementation),
+        q_BTHD, k_BTKD, v_BTKD)
     return self.proj.output(o_BTHD)

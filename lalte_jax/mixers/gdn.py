@@ -17,6 +17,7 @@ from lalte_jax.config import ModelConfig
 from lalte_jax.layers.norms import rms_normalize
 from lalte_jax.layers.short_conv import ShortConv
 from lalte_jax.mixers.projections import input_projection, output_projection
+from lalte_jax.sharding import per_shard
 from pallas_kernels.gated_delta_rule import ChunkConfig, chunk_gated_delta_rule
 
 
@@ -82,7 +83,11 @@ class GatedDeltaNet(nnx.Module):
     k_BTHK = self.k_conv(self.k_proj(x_BTD)).reshape(*heads, gdn.head_dim)
     v_BTHV = self.v_conv(self.v_proj(x_BTD)).reshape(*heads, gdn.value_dim)
     g_BTH, beta_BTH = self.gates(x_BTD)
-    o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH,
-                                       use_qk_l2norm=True, implementation=gdn.implementation,
-                                       config=ChunkConfig(chunk_size=gdn.chunk_size))
+    chunk_config = ChunkConfig(chunk_size=gdn.chunk_size)
+
+    def delta_rule(q, k, v, g, beta):
+      return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True,
+                                    implementation=gdn.implementation, config=chunk_config)[0]
+
+    o_BTHV = per_shard(delta_rule, q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)
     return self.output(o_BTHV, x_BTD)

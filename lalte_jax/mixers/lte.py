@@ -19,6 +19,7 @@ from lalte_jax.config import ModelConfig
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.attention import AttentionProjections
 from lalte_jax.mixers.lte_router import LTERouter
+from lalte_jax.sharding import per_shard
 from pallas_kernels.masked_attention import masked_attention
 
 
@@ -76,7 +77,9 @@ class LTEAttention(nnx.Module):
     positions_BT = default_positions(*x_BTD.shape[:2])
     q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
     k_BTKD = apply_rope(k_BTKD, positions_BT, lte.rope_theta)
-    o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=lte.window_keys,
-                              num_sinks=lte.num_sinks, kept_BSK=selected_tokens(score_BTK),
-                              implementation=lte.implementation)
+    o_BTHD = per_shard(
+        lambda q, k, v, kept: masked_attention(q, k, v, window_size=lte.window_keys,
+                                               num_sinks=lte.num_sinks, kept_BSK=kept,
+                                               implementation=lte.implementation),
+        q_BTHD, k_BTKD, v_BTKD, selected_tokens(score_BTK))
     return self.proj.output(o_BTHD), score_BTK

@@ -14,6 +14,7 @@ from lalte_jax.config import ModelConfig
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.attention import AttentionProjections
 from lalte_jax.mixers.projections import input_projection
+from lalte_jax.sharding import per_shard
 from pallas_kernels.nsa import nsa_attention
 
 
@@ -34,7 +35,10 @@ class NativeSparseAttention(nnx.Module):
     q_BTHD = apply_rope(q_BTHD, positions_BT, nsa.rope_theta)
     k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
     gates_BTH3 = jax.nn.sigmoid(self.g_proj(x_BTD)).reshape(batch, length, nsa.num_heads, 3)
-    o_BTHD = nsa_attention(q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size=nsa.block_size,
-                           block_count=nsa.block_count, window_size=nsa.window_size,
-                           implementation=nsa.implementation)
+    o_BTHD = per_shard(
+        lambda q, k, v, gates: nsa_attention(q, k, v, gates, block_size=nsa.block_size,
+                                             block_count=nsa.block_count,
+                                             window_size=nsa.window_size,
+                                             implementation=nsa.implementation),
+        q_BTHD, k_BTKD, v_BTKD, gates_BTH3)
     return self.proj.output(o_BTHD)

@@ -118,6 +118,21 @@ def test_stop_signals_turn_sigterm_into_a_flag():
   assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_processes_agree_on_a_stop_only_every_check_every_steps(monkeypatch):
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  gathers = []
+
+  def fake_allgather(flag):  # another process was signalled
+    gathers.append(int(flag))
+    return np.asarray([int(flag), 1])
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather", fake_allgather)
+  stop = checkpointing.StopSignals()
+  assert [stop.stop_now(step, 10) for step in (7, 8, 9)] == [False] * 3 and not gathers
+  assert stop.stop_now(10, 10) and gathers == [0]
+
+
 @pytest.mark.parametrize("name", [n for n in preset_names() if n.endswith("tiny")] + ["custom"])
 def test_model_config_json_round_trip(name):
   if name == "custom":

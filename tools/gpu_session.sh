@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The measurements that the open GPU issues (5 attention kernels, 6 GDN kernel, 7 reproduction
+# study) still need, as three device calls of under 10 minutes each, so that one session's ~30
+# minutes of device time cover all of them. Each stage writes a log and its JSON/figures under
+# $OUT (at most 8 files, as the device tool returns them) and stops its steps at a deadline so
+# that what ran still comes back.
+#
+# Run from the repository root on the device machine, with the wheels of
+# ../shared/tools/gpu_wheels.sh carried as .whl (`carry=[".whl"]`):
+#   bash tools/gpu_session.sh kernels   # GPU parity tests, attention + decode benchmarks (~8 min)
+#   bash tools/gpu_session.sh gdn       # GDN vs FLA at the four shapes of issue 6 (~9 min)
+#   bash tools/gpu_session.sh study     # reproduction study of issue 7 + figures (~9 min)
+# Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
+set -uo pipefail
+stage=${1:?usage: tools/gpu_session.sh kernels|gdn|study}
+out=${OUT:?OUT must name the directory that comes back}
+budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
+start=$(date +%s)
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+log="$out/$stage.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$log" 2>&1
+
+# step SECONDS CMD...: runs CMD with at most SECONDS, and none of it past the stage's budget.
+step() {
+  local limit=$1; shift
+  local left=$((budget_s - ($(date +%s) - start)))
+  ((left < limit)) && limit=$left
+  if ((limit < 20)); then echo "### skipped (budget): $*" >>"$log"; return; fi
+  echo "### $(date +%T) (${limit}s) $*" >>"$log"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+  echo "### exit $? after $(($(date +%s) - start))s" >>"$log"
+}
+
+case "$stage" in
+  kernels)
+    step 200 python3 -m pytest -q -m gpu tests/pallas_kernels -p no:cacheprovider
+    step 150 python3 tools/bench_attention.py --quick --iters 10 --json "$out/attention.json"
+    step 120 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
+      --lengths 8192 16384 --only "SWA-1024" "LTE train (" "LTE prefill (" \
+      --json "$out/attention_long.json"
+    step 90 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
+    ;;
+  gdn)
+    # FLA autotunes for about a minute on its first call per shape.
+    mkdir -p "$out/shapes01" "$out/shapes23"  # each run writes <out>/compare_fla.json
+    step 240 python3 tools/compare_fla.py --quick --shapes 0,1 --out "$out/shapes01"
+    step 240 python3 tools/compare_fla.py --quick --shapes 2,3 --no-train --out "$out/shapes23"
+    ;;
+  study)
+    step 480 python3 tools/repro.py --out /tmp/repro --parallel 12 --deadline-s 420
+    step 40 python3 tools/plot_results.py --results /tmp/repro --out "$out"
+    cp /tmp/repro/results.json /tmp/repro/results.md "$out"/ 2>>"$log"
+    # metrics, summaries and the laLTE retention of every run, for the results page (no weights)
+    tar -czf "$out/repro_runs.tar.gz" -C /tmp/repro --exclude=export --exclude='*.ckpt' \
+      --exclude=checkpoints . 2>>"$log"
+    ;;
+  *)
+    echo "unknown stage: $stage (kernels, gdn or study)" >&2; exit 2 ;;
+esac
+echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
+tail -n 60 "$log"
