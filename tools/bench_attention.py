@@ -118,8 +118,11 @@ def jax_variants(block_sizes=None):
       "ours SWA-1024": (ours(window_size=SWA_WINDOW), "cuDNN SWA-1024"),
       "ours LTE train (769 + 4 sinks + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
-      "ours LTE train, kept dk/dv without atomics": (
-          ours_blocks(BlockSizes(kept_query_tiles_per_program=0), True,
+      # One program per kept-list tile (the default) leaves few programs busy at long T (B x Hkv
+      # x kept tiles: 256 at B8 T4096, 64 at B2 T16384, each walking every query tile): the
+      # atomic split trades determinism for parallelism there.
+      "ours LTE train, kept dk/dv with atomics (8 query tiles/program)": (
+          ours_blocks(BlockSizes(kept_query_tiles_per_program=8), True,
                       window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill (769 + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),

@@ -39,7 +39,7 @@ case "$stage" in
     step 200 python3 -m pytest -q -m gpu tests/pallas_kernels -p no:cacheprovider
     step 150 python3 tools/bench_attention.py --quick --iters 10 --json "$out/attention.json"
     step 120 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
-      --lengths 8192 16384 --only "SWA-1024" "LTE train (" "LTE prefill (" \
+      --lengths 8192 16384 --only "SWA-1024" "LTE train" "LTE prefill (" \
       --json "$out/attention_long.json"
     step 90 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
     ;;

@@ -70,6 +70,8 @@ def parse_args(argv):
   parser.add_argument("--models", default=",".join(common.MODELS),
                       help=f"comma-separated subset of {','.join(common.MODELS)}")
   parser.add_argument("--steps", type=int, help="override the training steps of every model")
+  parser.add_argument("--train-batch", type=int,
+                      help="override the training batch (sequences per step) of every model")
   parser.add_argument("--lengths", help="comma-separated eval lengths (default: the study's)")
   parser.add_argument("--num-examples", type=int, default=100, help="eval examples per length")
   parser.add_argument("--batch-size", type=int, default=16, help="eval batch size")
@@ -88,6 +90,8 @@ def parse_args(argv):
   args = parser.parse_args(argv)
   if args.parallel < 1:
     parser.error(f"--parallel must be >= 1, got {args.parallel}")
+  if args.train_batch is not None and args.train_batch < 1:
+    parser.error(f"--train-batch must be >= 1, got {args.train_batch}")
   return args
 
 
@@ -121,6 +125,8 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
   if args.steps is not None:
     config = config.replace(steps=args.steps, warmup_steps=min(config.warmup_steps,
                                                                args.steps - 1))
+  if args.train_batch is not None:
+    config = config.replace(global_batch_size=args.train_batch)
   if args.implementation is not None:
     from train import model_overrides  # pylint: disable=import-outside-toplevel
     extra = model_overrides.implementation_overrides(config.model_config(), args.implementation)

@@ -86,12 +86,7 @@ def _substitution_inverse(a_NCC: jax.Array) -> jax.Array:
   """
   size = a_NCC.shape[-1]
   if size <= SUBSTITUTION_BLOCK:
-    eye_CC = jnp.eye(size, dtype=a_NCC.dtype)
-    rows = [jnp.broadcast_to(eye_CC[0], a_NCC.shape[:-2] + (size,))]
-    for i in range(1, size):
-      earlier_NIC = jnp.stack(rows, axis=-2)
-      rows.append(eye_CC[i] - _einsum("...j,...jk->...k", a_NCC[..., i, :i], earlier_NIC))
-    return jnp.stack(rows, axis=-2)
+    return _forward_substitution(a_NCC)
   half = size // 2
   x11 = _substitution_inverse(a_NCC[..., :half, :half])
   x22 = _substitution_inverse(a_NCC[..., half:, half:])
@@ -99,6 +94,22 @@ def _substitution_inverse(a_NCC: jax.Array) -> jax.Array:
                  _einsum("...ij,...jk->...ik", a_NCC[..., half:, :half], x11))
   top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + (size - half,), a_NCC.dtype)], axis=-1)
   return jnp.concatenate([top, jnp.concatenate([x21, x22], axis=-1)], axis=-2)
+
+
+def _forward_substitution(a_NCC: jax.Array) -> jax.Array:
+  """(I + A)^{-1} row by row: X_i = e_i - A_i X, where the rows of X not yet computed are still
+  identity rows that A_i (strictly lower) never reaches. A loop, not C unrolled steps: unrolled,
+  this one function took ~2.7 s of XLA:CPU compile time per GDN layer program."""
+  size = a_NCC.shape[-1]
+  eye_CC = jnp.eye(size, dtype=a_NCC.dtype)
+
+  def substitute_row(i, x_NCC):
+    a_row_N1C = jax.lax.dynamic_slice_in_dim(a_NCC, i, 1, axis=-2)
+    eye_row_1C = jax.lax.dynamic_slice_in_dim(eye_CC, i, 1, axis=0)
+    row_N1C = eye_row_1C - _einsum("...ij,...jk->...ik", a_row_N1C, x_NCC)
+    return jax.lax.dynamic_update_slice_in_dim(x_NCC, row_N1C, i, axis=-2)
+
+  return jax.lax.fori_loop(1, size, substitute_row, jnp.broadcast_to(eye_CC, a_NCC.shape))
 
 
 def _prepare_inputs(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
