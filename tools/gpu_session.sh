@@ -50,7 +50,8 @@ case "$stage" in
     step 240 python3 tools/compare_fla.py --quick --shapes 2,3 --no-train --out "$out/shapes23"
     ;;
   study)
-    step 480 python3 tools/repro.py --out /tmp/repro --parallel 12 --deadline-s 420
+    # trainings stop at 300 s (they then evaluate what they have, 120 s at most)
+    step 470 python3 tools/repro.py --out /tmp/repro --parallel 12 --deadline-s 300 --grace-s 120
     step 40 python3 tools/plot_results.py --results /tmp/repro --out "$out"
     cp /tmp/repro/results.json /tmp/repro/results.md "$out"/ 2>>"$log"
     # metrics, summaries and the laLTE retention of every run, for the results page (no weights)
