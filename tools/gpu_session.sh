@@ -10,9 +10,10 @@
 #   bash tools/gpu_session.sh kernels   # GPU parity tests, attention + decode benchmarks (~8 min)
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at the four shapes of issue 6 (~9 min)
 #   bash tools/gpu_session.sh study     # reproduction study of issue 7 + figures (~9 min)
+#   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh kernels|gdn|study}
+stage=${1:?usage: tools/gpu_session.sh kernels|gdn|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -58,8 +59,19 @@ case "$stage" in
     tar -czf "$out/repro_runs.tar.gz" -C /tmp/repro --exclude=export --exclude='*.ckpt' \
       --exclude=checkpoints . 2>>"$log"
     ;;
+  multigpu)
+    # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on
+    # one GPU and with the batch and parameters split over all of them (same per-GPU batch).
+    step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
+    step 150 env CUDA_VISIBLE_DEVICES=0 python3 tools/bench_train.py --presets lalte-0.4b \
+      gdn_swa-0.4b --batch 4 --steps 3 \
+      --warmup 1 --json "$out/train_1gpu.json"
+    n=$(nvidia-smi -L | wc -l)
+    step 200 python3 tools/bench_train.py --presets lalte-0.4b gdn_swa-0.4b --batch 4 \
+      --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$out/train_fsdp.json"  # --batch is per GPU
+    ;;
   *)
-    echo "unknown stage: $stage (kernels, gdn or study)" >&2; exit 2 ;;
+    echo "unknown stage: $stage (kernels, gdn, study or multigpu)" >&2; exit 2 ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
 tail -n 60 "$log"
