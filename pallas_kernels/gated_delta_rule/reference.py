@@ -52,8 +52,8 @@ def unit_lower_inverse(a_NCC: jax.Array) -> jax.Array:
   """(I + A)^{-1} for strictly lower-triangular A [..., C, C], any C; differentiable.
 
   The gradient is the closed form dA = -X^T dX X^T on the strictly lower triangle (X the
-  inverse), two matmuls, instead of the transpose of the substitution's ~C small steps, which
-  made this the most expensive part of a CPU training step.
+  inverse), two matmuls, instead of the transpose of the substitution's ~C small steps (which
+  cost ~16 of the 57 ms of a CPU GDN fwd+bwd at B64 T64).
   """
   return _substitution_inverse(a_NCC)
 
