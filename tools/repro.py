@@ -251,7 +251,7 @@ def _write(args, common, models, records, every):
   markdown = ("# Reproduction study (configs/repro)\n\nAccuracy (%) on long-gap MQAR (teacher-"
               "forced, every queried pair beyond the windows) and passkey (S-NIAH-1 in token ids,"
               f" greedy) at each evaluation length; training length {seq_len}; per model the"
-              " learning rate with the best held-out training recall (train_recall, %)."
+              " learning rate with the best held-out training recall (train_recall, a fraction)."
               f" Device: {payload['device']}.\n\n"
               + report.comparison_table(records, "model", ("params", "lr", "steps",
                                                            "train_recall", "train_s"))
