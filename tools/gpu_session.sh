@@ -9,7 +9,7 @@
 # ../shared/tools/gpu_wheels.sh carried as .whl (`carry=[".whl"]`):
 #   bash tools/gpu_session.sh kernels   # GPU parity tests, attention + decode benchmarks (~8 min)
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at the four shapes of issue 6 (~9 min)
-#   bash tools/gpu_session.sh study     # reproduction study of issue 7 + figures (~9 min)
+#   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
@@ -51,13 +51,22 @@ case "$stage" in
     step 240 python3 tools/compare_fla.py --quick --shapes 2,3 --no-train --out "$out/shapes23"
     ;;
   study)
-    # trainings stop at 300 s (they then evaluate what they have, 120 s at most)
-    step 470 python3 tools/repro.py --out /tmp/repro --parallel 12 --deadline-s 300 --grace-s 120
-    step 40 python3 tools/plot_results.py --results /tmp/repro --out "$out"
-    cp /tmp/repro/results.json /tmp/repro/results.md "$out"/ 2>>"$log"
-    # metrics, summaries and the laLTE retention of every run, for the results page (no weights)
-    tar -czf "$out/repro_runs.tar.gz" -C /tmp/repro --exclude=export --exclude='*.ckpt' \
-      --exclude=checkpoints . 2>>"$log"
+    # STUDY_SETTINGS (default "base"): the settings of configs/repro/common.py to run side by side,
+    # six trainings each. Trainings stop at the deadline (they then evaluate what they have).
+    settings=${STUDY_SETTINGS:-base}
+    for setting in $settings; do
+      step 500 python3 tools/repro.py --out "/tmp/repro_$setting" --setting "$setting" \
+        --parallel 6 --deadline-s 340 --grace-s 120 &
+    done
+    wait
+    for setting in $settings; do
+      dir="/tmp/repro_$setting"
+      step 40 python3 tools/plot_results.py --results "$dir" --out "$dir/figures"
+      cp "$dir/results.md" "$out/results_$setting.md" 2>>"$log"
+      # results, figures, metrics, summaries and laLTE retention of every run (no weights)
+      tar -czf "$out/repro_$setting.tar.gz" -C "$dir" --exclude=export --exclude='*.ckpt' \
+        --exclude=checkpoints . 2>>"$log"
+    done
     ;;
   multigpu)
     # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on

@@ -11,7 +11,7 @@ haystack, so 256-1024-token contexts would be mostly template; the passkey task 
 S-NIAH-1 structure (repeated haystack, key, 7-digit value, depth from 40, answer prefix) on the
 model's own vocabulary, and every model is trained on the same curriculum (short-gap MQAR,
 long-gap MQAR, passkey; `lalte_jax.eval.recall.recall_curriculum`). Long-gap MQAR puts every
-queried pair beyond every window (min_gap 63 for 64-key windows), so only the recurrent state,
+queried pair beyond every window (min_gap 31 for 32-key windows), so only the recurrent state,
 LTE's kept tokens, NSA's selected blocks or full attention can answer.
 
 Every model trains at each learning rate of the study's sweep (`LEARNING_RATES`); each (model,
@@ -69,6 +69,8 @@ def parse_args(argv):
   parser.add_argument("--out", default="runs/repro", help="output directory")
   parser.add_argument("--models", default=",".join(common.MODELS),
                       help=f"comma-separated subset of {','.join(common.MODELS)}")
+  parser.add_argument("--setting", default="base", choices=sorted(common.SETTINGS),
+                      help="pairs per sequence and GDN state size (configs/repro/common.py)")
   parser.add_argument("--steps", type=int, help="override the training steps of every model")
   parser.add_argument("--train-batch", type=int,
                       help="override the training batch (sequences per step) of every model")
@@ -121,7 +123,8 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
   from train.export import export_state_params  # pylint: disable=import-outside-toplevel
   from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
   directory = run_dir(pathlib.Path(args.out), variant, lr)
-  config = common.repro_config(variant, smoke=args.smoke, output_dir=str(directory), lr=lr)
+  config = common.repro_config(variant, smoke=args.smoke, output_dir=str(directory), lr=lr,
+                               setting=args.setting)
   if args.steps is not None:
     config = config.replace(steps=args.steps, warmup_steps=min(config.warmup_steps,
                                                                args.steps - 1))
@@ -245,12 +248,13 @@ def select_runs(out: pathlib.Path, models, lrs) -> tuple[list[dict], list[dict]]
 
 
 def _write(args, common, models, records, every):
-  payload = {"models": models, "smoke": args.smoke, "tasks": list(TASKS),
+  payload = {"models": models, "smoke": args.smoke, "setting": args.setting, "tasks": list(TASKS),
              "device": jax.devices()[0].device_kind, "results": records, "all_runs": every}
-  seq_len = common.repro_config(models[0], smoke=args.smoke).seq_len
-  markdown = ("# Reproduction study (configs/repro)\n\nAccuracy (%) on long-gap MQAR (teacher-"
-              "forced, every queried pair beyond the windows) and passkey (S-NIAH-1 in token ids,"
-              f" greedy) at each evaluation length; training length {seq_len}; per model the"
+  config = common.repro_config(models[0], smoke=args.smoke, setting=args.setting)
+  markdown = (f"# Reproduction study (configs/repro, setting {args.setting})\n\nAccuracy (%) on"
+              " long-gap MQAR (teacher-forced, every queried pair beyond the windows;"
+              f" {config.mqar_num_kv_pairs} pairs) and passkey (S-NIAH-1 in token ids, greedy) at"
+              f" each evaluation length; training length {config.seq_len}; per model the"
               " learning rate with the best held-out training recall (train_recall, a fraction)."
               f" Device: {payload['device']}.\n\n"
               + report.comparison_table(records, "model", ("params", "lr", "steps",

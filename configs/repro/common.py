@@ -45,6 +45,19 @@ _MIXER = {
     "lalte": {"lte.window": 31, "lte.cap": 16},
     "lansa": {"nsa.window_size": 32, "nsa.block_size": 16, "nsa.block_count": 4},
 }
+# Study settings (`tools/repro.py --setting`): how many pairs each sequence holds and how big the
+# GDN state is, the only long-range memory of GDN and GDN+SWA. In "base" (the first GPU run) the 8
+# pairs fit easily in each GDN head's 32 x 32 delta-rule state, so GDN+SWA recalled them all and
+# the test did not need exact access to past tokens. "small_state" gives every GDN layer 8 heads of
+# 8 x 8 (a quarter of the state, same parameter count: heads x head_dim = hidden) and 16 pairs:
+# more pairs than a head's key space can hold apart, while laLTE's cap (16 kept tokens per KV
+# head) still holds every value token. "small_state_8" keeps the 8 pairs with the small state.
+SETTINGS = {
+    "base": {"num_kv_pairs": NUM_KV_PAIRS, "gdn": {}},
+    "small_state": {"num_kv_pairs": 16, "gdn": {"gdn.num_heads": 8, "gdn.head_dim": 8}},
+    "small_state_8": {"num_kv_pairs": 8, "gdn": {"gdn.num_heads": 8, "gdn.head_dim": 8}},
+}
+
 # --smoke: 2 layers, tiny windows, a few steps; checks the pipeline, not the models.
 _SMOKE_SHARED = {"num_layers": 2}
 _SMOKE_MIXER = {
@@ -65,19 +78,24 @@ def _layer_pattern(variant: str, num_layers: int) -> tuple[str, ...]:
 
 
 def repro_config(variant: str, *, smoke: bool = False, output_dir: str = "",
-                 lr: float = LEARNING_RATES[0]) -> TrainConfig:
-  """The study's TrainConfig of `variant` (one of MODELS) at learning rate `lr`."""
+                 lr: float = LEARNING_RATES[0], setting: str = "base") -> TrainConfig:
+  """The study's TrainConfig of `variant` (one of MODELS) at learning rate `lr` in `setting`."""
   if variant not in MODELS:
     raise ValueError(f"variant: {variant!r} is not one of {MODELS}")
+  if setting not in SETTINGS:
+    raise ValueError(f"setting: {setting!r} is not one of {sorted(SETTINGS)}")
   overrides = dict(_SHARED)
   overrides.update(_MIXER.get(variant, {}))
+  if variant != "transformer":  # the Transformer has no GDN layer
+    overrides.update(SETTINGS[setting]["gdn"])
   if smoke:
     overrides.update(_SMOKE_SHARED)
     overrides.update(_SMOKE_MIXER.get(variant, {}))
   overrides["layer_pattern"] = _layer_pattern(variant, overrides["num_layers"])
   config = TrainConfig(
       variant=variant, size="tiny", model_dtype="bfloat16", model_overrides=overrides,
-      data="mqar", seq_len=128, mqar_num_kv_pairs=NUM_KV_PAIRS, mqar_min_gap=LONG_GAP,
+      data="mqar", seq_len=128, mqar_num_kv_pairs=SETTINGS[setting]["num_kv_pairs"],
+      mqar_min_gap=LONG_GAP,
       num_train_examples=1_000_000, num_eval_examples=256,
       global_batch_size=128, steps=STEPS, warmup_steps=100, lr=lr, lr_min_ratio=0.1,
       seed=42, output_dir=output_dir or f"runs/repro/{variant}", log_every=25, eval_batches=4,
