@@ -53,10 +53,14 @@ case "$stage" in
   study)
     # STUDY_SETTINGS (default "base"): the settings of configs/repro/common.py to run side by side,
     # six trainings each. Trainings stop at the deadline (they then evaluate what they have).
+    # STUDY_LRS: comma-separated learning rates (default: the study's sweep). 12 trainings share
+    # the GPU at once; compiling 12 models on 16 cores takes up to ~2 minutes of the deadline.
     settings=${STUDY_SETTINGS:-base}
+    read -ra setting_list <<<"$settings"
+    parallel=$((12 / ${#setting_list[@]}))
     for setting in $settings; do
       step 500 python3 tools/repro.py --out "/tmp/repro_$setting" --setting "$setting" \
-        --parallel 6 --deadline-s 340 --grace-s 120 &
+        --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} --deadline-s 400 --grace-s 90 &
     done
     wait
     for setting in $settings; do

@@ -147,6 +147,11 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
       warmup_examples=short_gap_steps * config.global_batch_size)
   print(f"== {variant} lr {lr:g}: {count_parameters(model_config):,} parameters, {config.steps}"
         f" steps ({short_gap_steps} short-gap first)", flush=True)
+  if args.single_run:
+    # The parent's deadline SIGTERM must only cut training short: the trainer turns it into a stop
+    # while its loop runs and restores this handler after, so the evaluation is never killed by
+    # it (the parent kills the child outright after its grace period).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
   start = time.perf_counter()
   trainer = Trainer(config)
   trainer.data_iterator = make_dataset(
@@ -154,10 +159,8 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
       seed=config.seed, shuffle=False, process_index=jax.process_index(),
       process_count=jax.process_count())
   summary = trainer.run()
-  if args.single_run:
-    # A child's training is over: the parent's deadline SIGTERM (meant to cut training short)
-    # must not kill the evaluation; the parent kills it outright after its grace period.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  if "stopped_at" in summary:  # cut by the deadline: the held-out recall of what it learned
+    summary.update(trainer.evaluate())
   steps_trained = summary.get("stopped_at", config.steps)
   train_seconds = time.perf_counter() - start
   export_dir = directory / "export"

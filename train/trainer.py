@@ -3,18 +3,18 @@
 `Trainer(config).run()` trains `config.steps` optimizer steps from `state.step`, logs every
 `log_every` steps, stops with `TooManySkippedSteps` after `max_consecutive_skips` non-finite
 gradients in a row, evaluates held-out recall on synthetic tasks, and returns a summary.
-`callbacks` are called as `callback(trainer, step)` after each step.
+`callbacks` are called as `callback(trainer, step)` after each step. SIGTERM/SIGINT end the loop
+after the step in flight (the summary then holds `stopped_at`).
 
 With `checkpoints` (a `train.checkpointing.RunCheckpoints`, as the CLI passes) the run is
 resumable: it starts from the newest complete checkpoint (`config.resume`), saves every
-`checkpoint_every` steps and at the end, stops cleanly on SIGTERM/SIGINT after saving the current
-step, and finally exports the parameters for inference into `<run_dir>/export`. Without it nothing
+`checkpoint_every` steps and at the end, saves the current step when a signal stops it, and
+finally exports the parameters for inference into `<run_dir>/export`. Without it nothing
 is written besides the metrics.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import pathlib
@@ -141,19 +141,19 @@ class Trainer:
     return metrics
 
   def run(self) -> dict:
-    """Trains to `config.steps`; returns the summary. A run stopped by SIGTERM/SIGINT (only with
-    `checkpoints`) returns {"stopped_at": step, "signal": name, ...} after saving that step."""
+    """Trains to `config.steps`; returns the summary. SIGTERM/SIGINT end the loop after the step
+    in flight: the run returns {"stopped_at": step, "signal": name, ...}, after saving that step
+    when it has `checkpoints` (without them the caller still holds the state, e.g. to evaluate)."""
     config = self.config
     start_step = int(sharding.to_host(self.state.step))
     if self.resumed_from is not None:
       self.logger.message(f"resumed from {self.checkpoints.directory}/{self.resumed_from}")
-    stop = (checkpointing.StopSignals() if self.checkpoints is not None
-            else contextlib.nullcontext(None))
-    with stop as signals:
+    with checkpointing.StopSignals() as signals:
       summary = self._train_steps(start_step, signals)
     if "stopped_at" in summary:
-      self.checkpoints.save(summary["stopped_at"], self.state, self.data_iterator, wait=True)
-      summary["checkpoint"] = str(self.checkpoints.directory / str(summary["stopped_at"]))
+      if self.checkpoints is not None:
+        self.checkpoints.save(summary["stopped_at"], self.state, self.data_iterator, wait=True)
+        summary["checkpoint"] = str(self.checkpoints.directory / str(summary["stopped_at"]))
       self.logger.message("stopped: " + json.dumps(summary))
       self.logger.close()
       return summary
