@@ -53,14 +53,18 @@ case "$stage" in
   study)
     # STUDY_SETTINGS (default "base"): the settings of configs/repro/common.py to run side by side,
     # six trainings each. Trainings stop at the deadline (they then evaluate what they have).
-    # STUDY_LRS: comma-separated learning rates (default: the study's sweep). 12 trainings share
-    # the GPU at once; compiling 12 models on 16 cores takes up to ~2 minutes of the deadline.
+    # STUDY_LRS / STUDY_MODELS: comma-separated learning rates / models (default: the study's). At
+    # most 12 trainings share the GPU at once. Measured on an H100: 6 at once run at ~17-20 steps/s
+    # each, 12 at once at ~8-9 (the GPU is saturated) and then compile and evaluate so slowly that
+    # a 10-minute call does not hold 12 runs; merge runs of several calls with
+    # `tools/repro.py --report-only`.
     settings=${STUDY_SETTINGS:-base}
     read -ra setting_list <<<"$settings"
     parallel=$((12 / ${#setting_list[@]}))
     for setting in $settings; do
       step 500 python3 tools/repro.py --out "/tmp/repro_$setting" --setting "$setting" \
-        --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} --deadline-s 400 --grace-s 90 &
+        --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} ${STUDY_MODELS:+--models "$STUDY_MODELS"} \
+        --deadline-s 400 --grace-s 90 &
     done
     wait
     for setting in $settings; do

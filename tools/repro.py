@@ -87,6 +87,9 @@ def parse_args(argv):
                            " going (they evaluate what they have) and start no new ones")
   parser.add_argument("--grace-s", type=float, default=150.0,
                       help="after --deadline-s: seconds left to the stopped runs to evaluate")
+  parser.add_argument("--report-only", action="store_true",
+                      help="train nothing: rebuild results.json/.md from the runs under --out"
+                           " (e.g. runs of one study trained in several calls)")
   parser.add_argument("--smoke", action="store_true", help="tiny models and steps (CPU check)")
   parser.add_argument("--single-run", help=argparse.SUPPRESS)  # "<model>:<lr>", child mode
   args = parser.parse_args(argv)
@@ -251,8 +254,12 @@ def select_runs(out: pathlib.Path, models, lrs) -> tuple[list[dict], list[dict]]
 
 
 def _write(args, common, models, records, every):
+  device = jax.devices()[0].device_kind
+  previous = pathlib.Path(args.out) / "results.json"
+  if args.report_only and previous.is_file():  # the device that trained, not this one
+    device = json.loads(previous.read_text()).get("device", device)
   payload = {"models": models, "smoke": args.smoke, "setting": args.setting, "tasks": list(TASKS),
-             "device": jax.devices()[0].device_kind, "results": records, "all_runs": every}
+             "device": device, "results": records, "all_runs": every}
   config = common.repro_config(models[0], smoke=args.smoke, setting=args.setting)
   markdown = (f"# Reproduction study (configs/repro, setting {args.setting})\n\nAccuracy (%) on"
               " long-gap MQAR (teacher-forced, every queried pair beyond the windows;"
@@ -286,10 +293,10 @@ def main(argv=None) -> dict | None:
          else list(common.LEARNING_RATES[:1] if args.smoke else common.LEARNING_RATES))
   out = pathlib.Path(args.out)
   jobs = [(variant, lr) for variant in models for lr in lrs]
-  if args.parallel > 1:
+  if args.parallel > 1 and not args.report_only:
     run_children(jobs, args, argv)
   for variant, lr in jobs:
-    if args.parallel == 1:
+    if args.parallel == 1 and not args.report_only:
       train_and_evaluate(variant, lr, args, common)
     # Rewritten after every run, so that a run cut short still leaves its finished models.
     records, every = select_runs(out, models, lrs)
