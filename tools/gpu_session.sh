@@ -61,13 +61,16 @@ case "$stage" in
     settings=${STUDY_SETTINGS:-base}
     read -ra setting_list <<<"$settings"
     parallel=$((12 / ${#setting_list[@]}))
+    # STUDY_STEPS overrides the training steps (the short-gap phase scales with it).
     for setting in $settings; do
-      step 500 python3 tools/repro.py --out "/tmp/repro_$setting" --setting "$setting" \
-        --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} ${STUDY_MODELS:+--models "$STUDY_MODELS"} \
+      step 500 python3 tools/repro.py --out "/tmp/repro_$setting${STUDY_STEPS:+_$STUDY_STEPS}" \
+        --setting "$setting" --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} \
+        ${STUDY_MODELS:+--models "$STUDY_MODELS"} ${STUDY_STEPS:+--steps "$STUDY_STEPS"} \
         --deadline-s 400 --grace-s 90 &
     done
     wait
     for setting in $settings; do
+      setting="$setting${STUDY_STEPS:+_$STUDY_STEPS}"
       dir="/tmp/repro_$setting"
       step 40 python3 tools/plot_results.py --results "$dir" --out "$dir/figures"
       cp "$dir/results.md" "$out/results_$setting.md" 2>>"$log"
