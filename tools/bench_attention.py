@@ -341,6 +341,8 @@ def main(argv=None) -> int:
         bench_fla(batch, length, args, results)
       except Exception as error:  # pylint: disable=broad-except
         print(f"FLA failed at B{batch} T{length}: {error!r}", flush=True)
+  if args.json:  # now, so that the timings survive a time limit hit by the checks below
+    write_json(args.json, results, argv)
   lines = []
   for check in () if args.no_checks else (parity_checks, tiny_model_check):
     try:
