@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# The measurements that the open GPU issues (5 attention kernels, 6 GDN kernel, 7 reproduction
-# study) still need, as three device calls of under 10 minutes each, so that one session's ~30
-# minutes of device time cover all of them. Each stage writes a log and its JSON/figures under
+# The GPU measurements of issues 5 (attention kernels), 6 (GDN kernel) and 7 (reproduction study)
+# as device calls of under 10 minutes each. One session's 30 minutes of device time hold about six
+# such calls on one H100, which counts half its held time. Each stage writes a log and its JSON/figures under
 # $OUT (at most 8 files, as the device tool returns them) and stops its steps at a deadline so
 # that what ran still comes back.
 #
 # Run from the repository root on the device machine, with the wheels of
 # ../shared/tools/gpu_wheels.sh carried as .whl (`carry=[".whl"]`):
-#   bash tools/gpu_session.sh kernels   # GPU parity tests, attention + decode benchmarks (~8 min)
-#   bash tools/gpu_session.sh gdn       # GDN vs FLA at the four shapes of issue 6 (~9 min)
+#   bash tools/gpu_session.sh tests     # GPU parity tests (~9 min)
+#   bash tools/gpu_session.sh kernels   # attention + decode benchmarks (~8 min)
+#   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~9 min)
+#   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 2, 3 (~9 min)
 #   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh kernels|gdn|study|multigpu}
+stage=${1:?usage: tools/gpu_session.sh tests|kernels|gdn|gdn23|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -36,19 +38,30 @@ step() {
 }
 
 case "$stage" in
+  tests)
+    # GPU parity tests; Triton compilation dominates, so they run 6 at once (session 5: one at a
+    # time, 11 tests passed in 200 s).
+    step 520 python3 -m pytest -q -m gpu tests/pallas_kernels tests/lalte_jax -n 6 \
+      -p no:cacheprovider --durations=20
+    ;;
   kernels)
-    step 200 python3 -m pytest -q -m gpu tests/pallas_kernels -p no:cacheprovider
-    step 150 python3 tools/bench_attention.py --quick --iters 10 --json "$out/attention.json"
-    step 120 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
+    # session 5 on an H100: the 4K run needed more than 150 s (its checks), the 8K/16K run ~100 s
+    step 230 python3 tools/bench_attention.py --quick --iters 10 --json "$out/attention.json"
+    step 150 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
       --lengths 8192 16384 --only "SWA-1024" "LTE train" "LTE prefill (" \
       --json "$out/attention_long.json"
-    step 90 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
+    step 100 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
     ;;
-  gdn)
-    # FLA autotunes for about a minute on its first call per shape.
-    mkdir -p "$out/shapes01" "$out/shapes23"  # each run writes <out>/compare_fla.json
-    step 240 python3 tools/compare_fla.py --quick --shapes 0,1 --out "$out/shapes01"
-    step 240 python3 tools/compare_fla.py --quick --shapes 2,3 --no-train --out "$out/shapes23"
+  gdn|gdn23)
+    # One shape per step: FLA autotunes on its first call per shape, and in session 5 (H100) two
+    # shapes in one 240 s step finished neither (B8 T4096 K=256 and K=128), one shape took ~150 s.
+    # Each run writes <dir>/compare_fla.json after every result.
+    shapes=(0 1); [ "$stage" = gdn23 ] && shapes=(2 3)
+    for shape in "${shapes[@]}"; do
+      mkdir -p "$out/shape$shape"
+      step 265 python3 tools/compare_fla.py --quick --shapes "$shape" --no-train \
+        --out "$out/shape$shape"
+    done
     ;;
   study)
     # STUDY_SETTINGS (default "base"): the settings of configs/repro/common.py to run side by side,
@@ -91,7 +104,7 @@ case "$stage" in
       --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$out/train_fsdp.json"  # --batch is per GPU
     ;;
   *)
-    echo "unknown stage: $stage (kernels, gdn, study or multigpu)" >&2; exit 2 ;;
+    echo "unknown stage: $stage (tests, kernels, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
 tail -n 60 "$log"
