@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 5 (attention kernels), 6 (GDN kernel) and 7 (reproduction study)
 # as device calls of under 10 minutes each. One session's 30 minutes of device time hold about six
-# such calls on one H100, which counts half its held time. Each stage writes a log and its JSON/figures under
-# $OUT (at most 8 files, as the device tool returns them) and stops its steps at a deadline so
-# that what ran still comes back.
+# such calls on one H100, which counts half its held time. Each stage writes a log and its
+# JSON/figures under $OUT (at most 8 files, as the device tool returns them) and stops its steps
+# at a deadline so that what ran still comes back.
 #
 # Run from the repository root on the device machine, with the wheels of
 # ../shared/tools/gpu_wheels.sh carried as .whl (`carry=[".whl"]`):
@@ -75,20 +75,21 @@ case "$stage" in
     read -ra setting_list <<<"$settings"
     parallel=$((12 / ${#setting_list[@]}))
     # STUDY_STEPS overrides the training steps (the short-gap phase scales with it).
+    run_name() { echo "$1${STUDY_STEPS:+_$STUDY_STEPS}"; }  # one name per setting (and steps)
     for setting in $settings; do
-      step 500 python3 tools/repro.py --out "/tmp/repro_$setting${STUDY_STEPS:+_$STUDY_STEPS}" \
+      step 500 python3 tools/repro.py --out "/tmp/repro_$(run_name "$setting")" \
         --setting "$setting" --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} \
         ${STUDY_MODELS:+--models "$STUDY_MODELS"} ${STUDY_STEPS:+--steps "$STUDY_STEPS"} \
         --deadline-s 400 --grace-s 90 &
     done
     wait
     for setting in $settings; do
-      setting="$setting${STUDY_STEPS:+_$STUDY_STEPS}"
-      dir="/tmp/repro_$setting"
+      name=$(run_name "$setting")
+      dir="/tmp/repro_$name"
       step 40 python3 tools/plot_results.py --results "$dir" --out "$dir/figures"
-      cp "$dir/results.md" "$out/results_$setting.md" 2>>"$log"
+      cp "$dir/results.md" "$out/results_$name.md" 2>>"$log"
       # results, figures, metrics, summaries and laLTE retention of every run (no weights)
-      tar -czf "$out/repro_$setting.tar.gz" -C "$dir" --exclude=export --exclude='*.ckpt' \
+      tar -czf "$out/repro_$name.tar.gz" -C "$dir" --exclude=export --exclude='*.ckpt' \
         --exclude=checkpoints . 2>>"$log"
     done
     ;;

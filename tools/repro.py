@@ -293,10 +293,11 @@ def main(argv=None) -> dict | None:
          else list(common.LEARNING_RATES[:1] if args.smoke else common.LEARNING_RATES))
   out = pathlib.Path(args.out)
   jobs = [(variant, lr) for variant in models for lr in lrs]
+  in_process = args.parallel == 1 and not args.report_only
   if args.parallel > 1 and not args.report_only:
     run_children(jobs, args, argv)
   for variant, lr in jobs:
-    if args.parallel == 1 and not args.report_only:
+    if in_process:
       train_and_evaluate(variant, lr, args, common)
     # Rewritten after every run, so that a run cut short still leaves its finished models.
     records, every = select_runs(out, models, lrs)

@@ -2,11 +2,12 @@
 
 Every model is its tiny preset (`<variant>-tiny`: vocab 256, hidden 64, 4 layers = 2 (GDN, mixer)
 pairs, GQA 4 query / 2 KV heads of 16 dims, the same MLPs, the same init), so the models differ
-only in their mixers; parameter counts are reported next to the results. Windows and state sizes make the test
-need retrieval beyond the window:
+only in their mixers; parameter counts are reported next to the results. Windows and state sizes
+make the test need retrieval beyond the window:
 - SWA: 32 keys; laLTE: w = 31 (32 keys) and cap b = 16 kept out-of-window tokens per KV head;
   laNSA: 32-key window, 4 selected blocks of 16 (the forced first / previous / current included);
-- GDN: 2 heads of 32 x 32 state per layer, the only long-range memory of GDN and GDN+SWA;
+- GDN: 2 heads of 32 x 32 state per layer (setting "base"; see SETTINGS), the only long-range
+  memory of GDN and GDN+SWA;
 - GDN+Attn and the Transformer have full attention (the upper bound).
 Training: 128-token sequences, batches of 128, STEPS steps: the first SHORT_GAP_STEPS on short-gap
 MQAR only (zoology power law, NUM_KV_PAIRS = 8 pairs: associative recall first), then one third
