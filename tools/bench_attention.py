@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.masked_attention import masked_attention, reference
+from pallas_kernels.masked_attention import compaction, masked_attention, reference
 from pallas_kernels.masked_attention import pallas as attention_pallas
 from pallas_kernels.masked_attention.tiling import BlockSizes
 
@@ -94,6 +94,19 @@ def random_kept(key, batch, length, num_kv_heads, count):
   return jnp.transpose(scores >= threshold, (0, 2, 1))
 
 
+def kept_list_alone(q, k, v, kept, key_valid):
+  """What masked_attention computes in XLA before the LTE prefill kernel (no key padding mask)."""
+  del key_valid
+  batch, length, num_kv_heads, _ = k.shape
+  listed = compaction.listed_keys(batch=batch, key_len=length, num_kv_heads=num_kv_heads,
+                                  num_sinks=0, kept_BSK=kept, key_valid_BS=None)
+  positions = compaction.kept_positions(listed, capacity=length)
+  counts = compaction.entries_per_query_tile(
+      listed, block_q=BlockSizes().block_q, num_q_tiles=q.shape[1] // BlockSizes().block_q,
+      query_offset=0, window_size=LTE_WINDOW_KEYS)
+  return positions, compaction.gather_kept(k, v, positions), counts
+
+
 def jax_variants(block_sizes=None):
   """name -> (attention fn of (q, k, v, kept, key_valid), anchor name).
 
@@ -126,8 +139,18 @@ def jax_variants(block_sizes=None):
                       window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill (769 + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      # BlockSizes.gather_kept_in_kernel: no [B, S, Hkv, D] copies of the kept K/V before the call.
+      "ours LTE prefill (769 + 256 kept), K/V by position in kernel": (
+          ours_blocks(BlockSizes(gather_kept_in_kernel=True), True,
+                      window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      "ours LTE train (769 + 4 sinks + 256 kept), K/V by position in kernel": (
+          ours_blocks(BlockSizes(gather_kept_in_kernel=True), True,
+                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill + padding mask": (
           ours(True, True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      # The XLA part of the prefill alone (kept list: positions, gathered K/V copies, per-tile
+      # counts), to tell it from the kernel's time.
+      "ours LTE prefill's kept list alone": (kept_list_alone, "cuDNN SWA-1024"),
       "cuDNN causal": (cudnn(None), "cuDNN causal"),
       "ours causal": (ours(), "cuDNN causal"),
   }

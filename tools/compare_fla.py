@@ -5,9 +5,9 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    `chunk_gated_delta_rule` (PyTorch, shared through DLPack, so the values are identical) and to
    ours (`implementation="pallas"`); prints the forward's relative difference and the medians of
    forward and forward+backward time after warm-up, rotating two input sets, and the ratios.
-   Also times our pieces: the preparation (step a; forward, and forward + backward; the default
-   XLA one and, at K <= 128, the opt-in fused Pallas one)
-   and the Pallas chunk scan alone.
+   Also times our pieces: the preparation (step a; forward, and forward + backward) and its
+   parts (layout, decays, WY transform), the chunk inverse inside it (by launch width) and the Pallas chunk scan alone; our numbers are printed
+   before FLA runs (its first call per shape autotunes for minutes).
 2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
    `--sweep-prep`: the same for the preparation kernels (pallas_prepare.PrepareConfig).
 3. a tiny GDN model (`gdn-tiny`, bf16) trains a few steps with the Pallas kernel and with the XLA
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -41,7 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
 from pallas_kernels.gated_delta_rule import ChunkConfig, StatePassConfig, chunk_gated_delta_rule
-from pallas_kernels.gated_delta_rule.pallas import prepare_scan_inputs
+from pallas_kernels.gated_delta_rule.pallas import (
+    chunk_decays,
+    chunk_layout,
+    prepare_scan_inputs,
+    wy_transform,
+)
+from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
 from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
 from pallas_kernels.gated_delta_rule.pallas_state_pass import chunk_scan, default_state_config
 
@@ -52,7 +59,9 @@ BF16_TOLERANCE = 2e-2
 # The 4th entry is StatePassConfig.v_blocks_adjacent.
 SWEEP_CONFIGS = ((32, 4, 1, False), (32, 4, 1, True), (16, 4, 1, True), (32, 8, 1, True),
                  (64, 4, 1, True), (64, 8, 1, True), (64, 4, 2, False), (64, 4, 2, True),
-                 (128, 8, 1, True))
+                 (128, 8, 1, True), (16, 2, 2, True), (16, 4, 2, True), (32, 4, 2, True))
+# Launch widths of the chunk inverse timed at every shape.
+INVERSE_WARPS = (1, 2, 4)
 # (num_warps, num_stages, num_warps_bwd, num_stages_bwd) tried by --sweep-prep.
 PREP_SWEEP_CONFIGS = ((4, 1, 4, 1), (8, 1, 8, 1), (4, 2, 4, 2), (8, 2, 8, 2), (2, 1, 4, 1),
                       (4, 1, 8, 1))
@@ -139,6 +148,30 @@ def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
   return jax.jit(forward), jax.jit(forward_backward)
 
 
+def prep_pieces_ms(input_sets, *, warmup, repeats) -> dict:
+  """Times the default preparation's parts (pallas.py) one by one, each jitted alone: the layout
+  (l2norm, padding, head-major copies), the decays, and the WY transform (forward; forward +
+  backward with its outputs as cotangents)."""
+  timed = lambda fn, sets: median_ms(jax.jit(fn), sets, warmup=warmup, repeats=repeats,
+                                     sync=jax.block_until_ready)
+  layout = jax.jit(functools.partial(chunk_layout, scale=None, initial_state=None,
+                                     use_qk_l2norm=True, chunk_size=64))
+  chunks = [layout(*s) for s in input_sets]
+  decays = [chunk_decays(c[3], exact=False) for c in chunks]
+  wy_sets = [[c[1], c[2], c[4], d[0], d[1]] for c, d in zip(chunks, decays)]
+  wy = functools.partial(wy_transform, exact=False)
+
+  def wy_fwd_bwd(*inputs):
+    outputs, vjp = jax.vjp(wy, *inputs)
+    return vjp(outputs)
+
+  return {"ours_prep_layout_ms": timed(layout, input_sets),
+          "ours_prep_decays_ms": timed(functools.partial(chunk_decays, exact=False),
+                                       [[c[3]] for c in chunks]),
+          "ours_prep_wy_fwd_ms": timed(wy, wy_sets),
+          "ours_prep_wy_fwdbwd_ms": timed(wy_fwd_bwd, wy_sets)}
+
+
 def scan_inputs_of(prep, input_sets):
   """chunk_scan's leading arguments: the preparation's outputs and a zero initial state."""
   scan_inputs = []
@@ -166,50 +199,70 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
                                     sync=sync_jax)
   record["ours_fwdbwd_ms"] = median_ms(forward_backward, jax_sets_bwd, warmup=warmup,
                                        repeats=repeats, sync=sync_jax)
-  # Our pieces: the preparation (forward; forward + backward; the fused Pallas one too where it
-  # runs, K <= 128) and the Pallas scan alone.
-  for key, fused in (("ours_prep", False), ("ours_fused_prep", True)):
-    if fused and dim > 128:
-      continue
-    prep, prep_fwd_bwd = prep_fns(fused=fused)
-    record[f"{key}_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
-                                        sync=sync_jax)
-    record[f"{key}_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
-                                           repeats=repeats, sync=sync_jax)
-  prep, _ = prep_fns()
+  # The state pass with the outputs inside it or after it (StatePassConfig.separate_output):
+  # the default picks one by B x H; the other is timed to check that choice.
+  default_config = default_state_config(dim, batch * heads)
+  record["separate_output_default"] = default_config.separate_output
+  flipped = dataclasses.replace(default_config,
+                                separate_output=not default_config.separate_output)
+  other_fwd, other_fwd_bwd = ours(ChunkConfig(state_pass=flipped))
+  key = f"ours_separate_output_{flipped.separate_output}"
+  record[f"{key}_fwd_ms"] = median_ms(other_fwd, jax_sets, warmup=warmup, repeats=repeats,
+                                      sync=sync_jax)
+  record[f"{key}_fwdbwd_ms"] = median_ms(other_fwd_bwd, jax_sets_bwd, warmup=warmup,
+                                         repeats=repeats, sync=sync_jax)
+  # Our pieces: the preparation (forward; forward + backward), the chunk inverse inside it
+  # (forward, by launch width) and the Pallas scan alone. The opt-in fused preparation is timed
+  # by --sweep-prep.
+  prep, prep_fwd_bwd = prep_fns()
+  record["ours_prep_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
+                                         sync=sync_jax)
+  record["ours_prep_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
+                                            repeats=repeats, sync=sync_jax)
+  record.update(prep_pieces_ms(jax_sets, warmup=warmup, repeats=repeats))
+  num_matrices = batch * heads * -(-seq_len // 64)
+  a_sets = [[jnp.tril(0.1 * jax.random.normal(jax.random.key(seed), (num_matrices, 64, 64)), -1)]
+            for seed in (0, 1)]
+  for num_warps in INVERSE_WARPS:
+    inverse = jax.jit(functools.partial(inverse_forward, num_warps=num_warps))
+    record[f"ours_inverse_{num_warps}warps_ms"] = median_ms(inverse, a_sets, warmup=warmup,
+                                                            repeats=repeats, sync=sync_jax)
   scan_inputs = scan_inputs_of(prep, jax_sets)
-  scan = jax.jit(lambda *a: chunk_scan(*a, 64, "bfloat16", False, default_state_config(dim)))
+  scan = jax.jit(lambda *a: chunk_scan(*a, 64, "bfloat16", False, default_config))
   record["ours_scan_fwd_ms"] = median_ms(scan, scan_inputs, warmup=warmup, repeats=repeats,
                                          sync=sync_jax)
+  # Logged before FLA runs: FLA autotunes on its first call per shape, which can outlast a step.
+  log(dict(record), results, args.out)
+  if fla_chunk is None:
+    return
 
-  if fla_chunk is not None:
-    torch_sets = [[to_torch(s[n]) for n in names + ("do",)] for s in sets]
-    sync_torch = lambda _: torch.cuda.synchronize()
+  torch_sets = [[to_torch(s[n]) for n in names + ("do",)] for s in sets]
+  sync_torch = lambda _: torch.cuda.synchronize()
 
-    def fla_forward(q, k, v, g, beta, do):
-      del do
-      with torch.no_grad():
-        return fla_chunk(q, k, v, g, beta, scale=dim ** -0.5, use_qk_l2norm_in_kernel=True)[0]
+  def fla_forward(q, k, v, g, beta, do):
+    del do
+    with torch.no_grad():
+      return fla_chunk(q, k, v, g, beta, scale=dim ** -0.5, use_qk_l2norm_in_kernel=True)[0]
 
-    def fla_forward_backward(q, k, v, g, beta, do):
-      leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
-      o = fla_chunk(*leaves, scale=dim ** -0.5, use_qk_l2norm_in_kernel=True)[0]
-      o.backward(do)
-      return [x.grad for x in leaves]
+  def fla_forward_backward(q, k, v, g, beta, do):
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o = fla_chunk(*leaves, scale=dim ** -0.5, use_qk_l2norm_in_kernel=True)[0]
+    o.backward(do)
+    return [x.grad for x in leaves]
 
-    o_fla = fla_forward(*torch_sets[0])
-    o_fla_np = o_fla.float().cpu().numpy()
-    o_ours_np = np.asarray(o_ours.astype(jnp.float32))
-    record["fwd_rel_diff_vs_fla"] = float(np.max(np.abs(o_ours_np - o_fla_np))
-                                          / np.max(np.abs(o_fla_np)))
-    record["fwd_parity_ok"] = record["fwd_rel_diff_vs_fla"] <= BF16_TOLERANCE
-    record["fla_fwd_ms"] = median_ms(fla_forward, torch_sets, warmup=warmup, repeats=repeats,
-                                     sync=sync_torch)
-    record["fla_fwdbwd_ms"] = median_ms(fla_forward_backward, torch_sets, warmup=warmup,
-                                        repeats=repeats, sync=sync_torch)
-    record["fwd_ratio"] = record["ours_fwd_ms"] / record["fla_fwd_ms"]
-    record["fwdbwd_ratio"] = record["ours_fwdbwd_ms"] / record["fla_fwdbwd_ms"]
-    del torch_sets
+  o_fla = fla_forward(*torch_sets[0])
+  o_fla_np = o_fla.float().cpu().numpy()
+  o_ours_np = np.asarray(o_ours.astype(jnp.float32))
+  record["fwd_rel_diff_vs_fla"] = float(np.max(np.abs(o_ours_np - o_fla_np))
+                                        / np.max(np.abs(o_fla_np)))
+  record["fwd_parity_ok"] = record["fwd_rel_diff_vs_fla"] <= BF16_TOLERANCE
+  record["fla_fwd_ms"] = median_ms(fla_forward, torch_sets, warmup=warmup, repeats=repeats,
+                                   sync=sync_torch)
+  record["fla_fwdbwd_ms"] = median_ms(fla_forward_backward, torch_sets, warmup=warmup,
+                                      repeats=repeats, sync=sync_torch)
+  record["fwd_ratio"] = record["ours_fwd_ms"] / record["fla_fwd_ms"]
+  record["fwdbwd_ratio"] = record["ours_fwdbwd_ms"] / record["fla_fwdbwd_ms"]
+  del torch_sets
   log(record, results, args.out)
 
 

@@ -9,13 +9,14 @@
 # ../shared/tools/gpu_wheels.sh carried as .whl (`carry=[".whl"]`):
 #   bash tools/gpu_session.sh tests     # GPU parity tests (~9 min)
 #   bash tools/gpu_session.sh kernels   # attention + decode benchmarks (~8 min)
+#   bash tools/gpu_session.sh profile   # GDN pieces + FLA at one shape, attention pieces (~9 min)
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~9 min)
 #   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 2, 3 (~9 min)
 #   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh tests|kernels|gdn|gdn23|study|multigpu}
+stage=${1:?usage: tools/gpu_session.sh tests|kernels|profile|gdn|gdn23|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -23,6 +24,11 @@ start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Compiled kernels (Triton's, FLA's autotuning results, XLA's programs) under the repository's
+# ignored .cache/: shared by the steps and test workers of one call, and kept for the next call
+# while the machine stays warm (it goes back 30 s after a call ends).
+export TRITON_CACHE_DIR=$PWD/.cache/triton JAX_COMPILATION_CACHE_DIR=$PWD/.cache/jax \
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 log="$out/$stage.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$log" 2>&1
 
@@ -48,9 +54,18 @@ case "$stage" in
     # session 5 on an H100: the 4K run needed more than 150 s (its checks), the 8K/16K run ~100 s
     step 230 python3 tools/bench_attention.py --quick --iters 10 --json "$out/attention.json"
     step 150 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
-      --lengths 8192 16384 --only "SWA-1024" "LTE train" "LTE prefill (" \
+      --lengths 8192 16384 --only "SWA-1024" "LTE train" "LTE prefill (" "kept list" \
       --json "$out/attention_long.json"
     step 100 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
+    ;;
+  profile)
+    # Where the time goes (session 6): the GDN preparation's parts at every shape of issue 6, FLA
+    # at B1 T16384 K=128 only (its autotuning costs minutes per shape); the attention kernels next
+    # to the prefill's XLA kept list at 3 lengths.
+    step 300 python3 tools/compare_fla.py --quick --shapes 2,1,3,0 --fla-shapes 2 --no-train \
+      --out "$out"
+    step 230 python3 tools/bench_attention.py --no-checks --no-fla --iters 20 \
+      --only "SWA-1024" "LTE train" "LTE prefill" "kept list" --json "$out/attention.json"
     ;;
   gdn|gdn23)
     # One shape per step: FLA autotunes on its first call per shape, and in session 5 (H100) two
@@ -105,7 +120,7 @@ case "$stage" in
       --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$out/train_fsdp.json"  # --batch is per GPU
     ;;
   *)
-    echo "unknown stage: $stage (tests, kernels, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
+    echo "unknown stage: $stage (tests, kernels, profile, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
 tail -n 60 "$log"

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["StatePassConfig", "chunk_scan", "default_state_config", "interpret", "kernel_dot",
+__all__ = ["SEPARATE_OUTPUT_BELOW_PAIRS", "StatePassConfig", "chunk_scan", "default_state_config", "interpret", "kernel_dot",
            "triton_compiler_params"]
 
 
@@ -47,6 +47,11 @@ class StatePassConfig:
   differentiation (it also writes every chunk's state and v_new for the backward, which needs more
   registers and shared memory), *_bwd for the backward.
   v_blocks_adjacent: launch the V-blocks of one head next to each other (see `_grid_and_specs`).
+  separate_output: the sequential pass only carries the state (and writes every chunk's state and
+    v_new); the outputs o = qg h + p v_new follow in parallel over chunks (XLA batched matmuls).
+    This halves the matmuls on the sequential path, for the price of writing and reading the chunk
+    states; it pays when B x H x V-blocks programs leave most of the GPU idle (see
+    `default_state_config`).
   """
   block_v: int = 64
   num_warps: int = 4
@@ -58,13 +63,14 @@ class StatePassConfig:
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
   v_blocks_adjacent: bool = False
+  separate_output: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.v_blocks_adjacent, bool):
-      raise ValueError(
-          f"StatePassConfig.v_blocks_adjacent must be a bool, got {self.v_blocks_adjacent!r}")
+    for name in ("v_blocks_adjacent", "separate_output"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"StatePassConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for field in dataclasses.fields(self):
-      if field.name == "v_blocks_adjacent":
+      if field.name in ("v_blocks_adjacent", "separate_output"):
         continue
       value = getattr(self, field.name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,20 +81,27 @@ class StatePassConfig:
         raise ValueError(f"StatePassConfig.{name} must be a power of two >= 16, got {value}")
 
 
-def default_state_config(padded_key_dim: int) -> StatePassConfig:
-  """Launch parameters by (padded) head size K.
+# Below this many (batch row, head) pairs the outputs leave the sequential pass
+# (StatePassConfig.separate_output): one H100 has 132 SMs and the pass runs one program per pair
+# and V-block.
+SEPARATE_OUTPUT_BELOW_PAIRS = 32
+
+
+def default_state_config(padded_key_dim: int, num_pairs: int | None = None) -> StatePassConfig:
+  """Launch parameters by (padded) head size K and the number of (batch row, head) pairs.
 
   K = 256 with two pipeline stages asks for 256-264 KiB of shared memory (measured on an H200,
   which has 227 KiB), so K = 256 runs without load pipelining.
   """
+  separate = num_pairs is not None and num_pairs < SEPARATE_OUTPUT_BELOW_PAIRS
   if padded_key_dim <= 128:
-    return StatePassConfig()
+    return StatePassConfig(separate_output=separate)
   # Sweep at B8 T4096 H8 K=V=256 (H200; docs/benchmarks.md): plain forward 0.84 ms at
   # (64, 4 warps, 1 stage, adjacent) vs 1.12 ms at (32, 4, 1, not adjacent); forward + backward
   # 3.7 ms for every config that fits, so the training kernels keep the tested (32, 4, 1).
   return StatePassConfig(block_v=64, num_warps=4, num_stages=1, block_v_train=32,
                          num_warps_train=4, num_stages_train=1, block_v_bwd=32, num_warps_bwd=4,
-                         num_stages_bwd=1, v_blocks_adjacent=True)
+                         num_stages_bwd=1, v_blocks_adjacent=True, separate_output=separate)
 
 
 def interpret() -> bool:
@@ -120,12 +133,13 @@ def kernel_dot(a, b, *, exact: bool, trans_a: bool = False, trans_b: bool = Fals
 
 
 def _forward_kernel(w_ref, u_ref, kd_ref, qg_ref, p_ref, decay_ref, h0_ref, *out_refs,
-                    num_chunks, chunk_size, key_dim, exact, store_residuals):
+                    num_chunks, chunk_size, key_dim, exact, store_residuals, with_output):
+  # Outputs: [o] (with_output), h_final, then [h_chunks, v_new] (store_residuals).
+  o_ref = out_refs[0] if with_output else None
+  h_final_ref = out_refs[1 if with_output else 0]
   if store_residuals:
-    o_ref, h_final_ref, h_chunks_ref, v_new_ref = out_refs
-  else:
-    o_ref, h_final_ref = out_refs
-  store_dtype = o_ref.dtype
+    h_chunks_ref, v_new_ref = out_refs[-2:]
+  store_dtype = (o_ref if with_output else v_new_ref).dtype
 
   def body(n, h_KV):
     rows = pl.ds(n * chunk_size, chunk_size)
@@ -138,9 +152,10 @@ def _forward_kernel(w_ref, u_ref, kd_ref, qg_ref, p_ref, decay_ref, h0_ref, *out
                 - kernel_dot(w_ref[rows, :], h_used_KV, exact=exact)).astype(store_dtype)
     if store_residuals:
       v_new_ref[rows, :] = v_new_CV
-    o_CV = (kernel_dot(qg_ref[rows, :], h_used_KV, exact=exact)
-            + kernel_dot(p_ref[rows, :], v_new_CV, exact=exact))
-    o_ref[rows, :] = o_CV.astype(o_ref.dtype)
+    if with_output:
+      o_CV = (kernel_dot(qg_ref[rows, :], h_used_KV, exact=exact)
+              + kernel_dot(p_ref[rows, :], v_new_CV, exact=exact))
+      o_ref[rows, :] = o_CV.astype(o_ref.dtype)
     return decay_ref[n] * h_KV + kernel_dot(kd_ref[rows, :], v_new_CV, exact=exact, trans_a=True)
 
   h_final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(jnp.float32))
@@ -210,6 +225,43 @@ def _grid_and_specs(batch, heads, padded_len, key_dim, value_dim, chunk_size, bl
 
 def _forward(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact, config,
              store_residuals):
+  """(o, h_final, [h_chunks, v_new] if store_residuals); o by the kernel, or after it from the
+  chunk states (config.separate_output, which makes the kernel store them in any case)."""
+  if not config.separate_output:
+    return _forward_call(w, u, kd, qg, p, decay, h0, chunk_size=chunk_size,
+                         store_dtype=store_dtype, exact=exact, config=config,
+                         store_residuals=store_residuals, with_output=True)
+  h_final, h_chunks, v_new = _forward_call(
+      w, u, kd, qg, p, decay, h0, chunk_size=chunk_size, store_dtype=store_dtype, exact=exact,
+      config=config, store_residuals=True, with_output=False)
+  o = _outputs_from_states(qg, p, h_chunks, v_new, chunk_size=chunk_size, exact=exact)
+  return (o, h_final, h_chunks, v_new) if store_residuals else (o, h_final)
+
+
+def _outputs_from_states(qg, p, h_chunks, v_new, *, chunk_size, exact):
+  """o_n = qg_n h_n + p_n v_new_n for all chunks at once, in the public layout [B,Tp,H,V]."""
+  batch, heads, padded_len, key_dim = qg.shape
+  value_dim = v_new.shape[-1]
+  num_chunks = padded_len // chunk_size
+  by_chunk = lambda x: x.reshape(batch, heads, num_chunks, -1, x.shape[-1])
+  mm = _batched_matmul(exact)
+  o_BHNCV = (mm("bhnck,bhnkv->bhncv", by_chunk(qg), by_chunk(h_chunks))
+             + mm("bhncj,bhnjv->bhncv", by_chunk(p), by_chunk(v_new)))
+  o_BTHV = jnp.transpose(o_BHNCV.reshape(batch, heads, padded_len, value_dim), (0, 2, 1, 3))
+  return o_BTHV.astype(v_new.dtype)
+
+
+def _batched_matmul(exact):
+  """XLA einsum with float32 results: full float32 when exact, else bf16 operands."""
+  if exact:
+    return functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  return lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                                       preferred_element_type=jnp.float32)
+
+
+def _forward_call(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact, config,
+                  store_residuals, with_output):
   batch, heads, padded_len, key_dim = w.shape
   value_dim = u.shape[-1]
   num_chunks = padded_len // chunk_size
@@ -221,16 +273,19 @@ def _forward(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact, conf
   block_v = min(block_v, value_dim)
   grid, specs = _grid_and_specs(batch, heads, padded_len, key_dim, value_dim, chunk_size, block_v,
                                 config.v_blocks_adjacent)
-  out_specs = [specs["public_v"], specs["state"]]
-  out_shape = [jax.ShapeDtypeStruct((batch, padded_len, heads, value_dim), store_dtype),
-               jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)]
+  out_specs = [specs["state"]]
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)]
+  if with_output:
+    out_specs.insert(0, specs["public_v"])
+    out_shape.insert(0, jax.ShapeDtypeStruct((batch, padded_len, heads, value_dim), store_dtype))
   if store_residuals:
     out_specs += [specs["chunks_kv"], specs["seq_v"]]
     out_shape += [
         jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), store_dtype),
         jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), store_dtype)]
   kernel = functools.partial(_forward_kernel, num_chunks=num_chunks, chunk_size=chunk_size,
-                             key_dim=key_dim, exact=exact, store_residuals=store_residuals)
+                             key_dim=key_dim, exact=exact, store_residuals=store_residuals,
+                             with_output=with_output)
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -309,12 +364,7 @@ def _chunk_scan_bwd(chunk_size, store_dtype, exact, config, residuals, cotangent
   v_new_BHNCV = by_chunk(v_new)
   dv_BHNCV = by_chunk(dv_BHTV)
   do_BHNCV = by_chunk(jnp.swapaxes(do_BTHV, 1, 2))
-  if exact:
-    mm = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
-  else:
-    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-                                       preferred_element_type=jnp.float32)
+  mm = _batched_matmul(exact)
   dw = -mm("bhncv,bhnkv->bhnck", dv_BHNCV, h_BHNKV)
   dkd = mm("bhncv,bhnkv->bhnck", v_new_BHNCV, dh_end_BHNKV)
   dqg = mm("bhncv,bhnkv->bhnck", do_BHNCV, h_BHNKV)

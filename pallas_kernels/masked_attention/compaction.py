@@ -32,34 +32,50 @@ class KeptList(NamedTuple):
   v_BCKD: jax.Array
 
 
-def build_kept_list(k_BSKD, v_BSKD, *, num_sinks, kept_BSK, key_valid_BS, capacity) -> KeptList:
-  """Gathers the sinks and kept keys (valid ones only) into sorted lists of `capacity` entries.
-
-  k_BSKD/v_BSKD may be padded past the real key length S = kept_BSK.shape[1] (when given); keys at
-  or beyond S are never listed. capacity must be >= the number of real keys.
-  """
-  key_len = k_BSKD.shape[1] if kept_BSK is None else kept_BSK.shape[1]
-  positions_BKC = kept_positions(
-      batch=k_BSKD.shape[0], key_len=key_len, num_kv_heads=k_BSKD.shape[2], num_sinks=num_sinks,
-      kept_BSK=kept_BSK, key_valid_BS=key_valid_BS, capacity=capacity)
-  return KeptList(positions_BKC, *gather_kept(k_BSKD, v_BSKD, positions_BKC))
-
-
-def kept_positions(*, batch, key_len, num_kv_heads, num_sinks, kept_BSK, key_valid_BS, capacity):
-  """int32 [B, Hkv, capacity]: listed positions ascending, then PAD_POSITION (see KeptList)."""
-  if capacity < key_len:
-    raise ValueError(f"build_kept_list: capacity {capacity} < key length {key_len}")
+def listed_keys(*, batch, key_len, num_kv_heads, num_sinks, kept_BSK, key_valid_BS) -> jax.Array:
+  """bool [B, Hkv, S]: the keys that go on the list (sinks and kept keys, valid ones only)."""
   key_pos_S = jnp.arange(key_len, dtype=jnp.int32)
   listed_BKS = jnp.broadcast_to((key_pos_S < num_sinks)[None, None], (batch, num_kv_heads, key_len))
   if kept_BSK is not None:
     listed_BKS = listed_BKS | jnp.transpose(kept_BSK, (0, 2, 1))
   if key_valid_BS is not None:
     listed_BKS = listed_BKS & key_valid_BS[:, None, :key_len]
-  # Sorting the positions (unlisted ones pushed to the end as PAD_POSITION) compacts and orders them
-  # in one step.
-  positions_BKS = jnp.sort(jnp.where(listed_BKS, key_pos_S, PAD_POSITION), axis=-1)
-  return jnp.pad(positions_BKS, ((0, 0), (0, 0), (0, capacity - key_len)),
-                 constant_values=PAD_POSITION)
+  return listed_BKS
+
+
+def build_kept_list(k_BSKD, v_BSKD, listed_BKS, *, capacity) -> KeptList:
+  """Gathers the listed keys (`listed_keys`) into sorted lists of `capacity` entries.
+
+  k_BSKD/v_BSKD may be padded past the real key length S = listed_BKS.shape[-1]; keys at or
+  beyond S are never listed. capacity must be >= S.
+  """
+  positions_BKC = kept_positions(listed_BKS, capacity=capacity)
+  return KeptList(positions_BKC, *gather_kept(k_BSKD, v_BSKD, positions_BKC))
+
+
+def kept_positions(listed_BKS, *, capacity):
+  """int32 [B, Hkv, capacity]: listed positions ascending, then PAD_POSITION (see KeptList)."""
+  batch, num_kv_heads, key_len = listed_BKS.shape
+  if capacity < key_len:
+    raise ValueError(f"kept_positions: capacity {capacity} < key length {key_len}")
+  key_pos_S = jnp.arange(key_len, dtype=jnp.int32)
+  # Stream compaction: a listed key's slot is the number of listed keys before it, so the list comes
+  # out ascending; unlisted keys scatter out of bounds and are dropped. O(S) per row, where a sort
+  # of the rows (the first version) is O(S log^2 S) on the GPU in ~100 launches at S = 16384 and
+  # was the part of the LTE prefill that grew with S (docs/benchmarks.md, session 6). Unlisted keys
+  # get distinct out-of-bounds slots, so the indices really are unique.
+  slot_BKS = listed_before(listed_BKS) - 1
+  slot_BKS = jnp.where(listed_BKS, slot_BKS, capacity + key_pos_S)
+  batch_B11 = jnp.arange(batch, dtype=jnp.int32)[:, None, None]
+  head_1K1 = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+  positions_BKC = jnp.full((batch, num_kv_heads, capacity), PAD_POSITION, jnp.int32)
+  return positions_BKC.at[batch_B11, head_1K1, slot_BKS].set(
+      jnp.broadcast_to(key_pos_S, slot_BKS.shape), mode="drop", unique_indices=True)
+
+
+def listed_before(listed_BKS):
+  """int32 [B, Hkv, S]: how many keys at positions <= s are listed (inclusive prefix count)."""
+  return jnp.cumsum(listed_BKS, axis=-1, dtype=jnp.int32)
 
 
 def gather_kept(k_BSKD, v_BSKD, positions_BKC):
@@ -73,17 +89,17 @@ def gather_kept(k_BSKD, v_BSKD, positions_BKC):
   return k_BCKD, v_BCKD
 
 
-def entries_per_query_tile(positions_BKC, *, block_q, num_q_tiles, query_offset, window_size):
+def entries_per_query_tile(listed_BKS, *, block_q, num_q_tiles, query_offset, window_size):
   """int32 [B, Hkv, num_q_tiles]: how many list entries any query of each tile can see.
 
   Query tile t holds positions up to query_offset + (t + 1) * block_q - 1; an entry is outside that
-  query's window iff its position is <= that - window_size. The list is sorted, so these entries
-  are a prefix whose length searchsorted gives.
+  query's window iff its position is <= that - window_size. The list holds the listed keys in
+  position order, so these entries are a prefix whose length is the prefix count of listed keys
+  at that position (one lookup per tile; a binary search of the list per tile, the first
+  version, took ~0.2 ms of a B8 T4096 prefill as a loop of small XLA ops).
   """
+  key_len = listed_BKS.shape[-1]
   last_pos_T = query_offset + (jnp.arange(num_q_tiles, dtype=jnp.int32) + 1) * block_q - 1
   threshold_T = last_pos_T - window_size
-
-  def count_row(positions_C):
-    return jnp.searchsorted(positions_C, threshold_T, side="right").astype(jnp.int32)
-
-  return jax.vmap(jax.vmap(count_row))(positions_BKC)
+  counts_BKT = jnp.take(listed_before(listed_BKS), jnp.clip(threshold_T, 0, key_len - 1), axis=-1)
+  return jnp.where(threshold_T >= 0, counts_BKT, 0)

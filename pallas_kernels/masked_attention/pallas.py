@@ -134,9 +134,10 @@ def masked_attention(
     key_valid = jnp.pad(key_valid_BS.astype(jnp.int32), ((0, 0), (0, padded_key_len - key_len)))
   kept = counts_fwd = counts_dq = None
   if has_kept_list:
-    positions_BKC = compaction.kept_positions(
+    listed_BKS = compaction.listed_keys(
         batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
-        kept_BSK=kept_BSK, key_valid_BS=key_valid_BS, capacity=padded_key_len)
+        kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)
+    positions_BKC = compaction.kept_positions(listed_BKS, capacity=padded_key_len)
     if block_sizes.gather_kept_in_kernel:
       kept = compaction.KeptList(positions_BKC, None, None)
     else:
@@ -144,7 +145,7 @@ def masked_attention(
                                  *compaction.gather_kept(k_BSKD, v_BSKD, positions_BKC))
     counts_fwd, counts_dq = (
         compaction.entries_per_query_tile(
-            kept.positions_BKC, block_q=block_q, num_q_tiles=padded_query_len // block_q,
+            listed_BKS, block_q=block_q, num_q_tiles=padded_query_len // block_q,
             query_offset=key_len - query_len, window_size=window_size)
         for block_q in (block_sizes.block_q, block_sizes.block_q_dq))
   o = _attention_core(problem, block_sizes, q, k, v, key_valid, kept, counts_fwd, counts_dq)

@@ -173,9 +173,11 @@ def test_kept_list_is_sorted_and_counts_follow_the_window():
   kept = rng.random((batch, key_len, num_kv_heads)) < 0.3
   key_valid = np.arange(key_len)[None, :] >= np.array([[0], [4]])
   k = jnp.asarray(rng.standard_normal((batch, key_len, num_kv_heads, 16)), jnp.float32)
-  listed = compaction.build_kept_list(k, k, num_sinks=num_sinks, kept_BSK=jnp.asarray(kept),
-                                      key_valid_BS=jnp.asarray(key_valid), capacity=40)
-  counts = compaction.entries_per_query_tile(listed.positions_BKC, block_q=8, num_q_tiles=5,
+  listed_BKS = compaction.listed_keys(
+      batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
+      kept_BSK=jnp.asarray(kept), key_valid_BS=jnp.asarray(key_valid))
+  listed = compaction.build_kept_list(k, k, listed_BKS, capacity=40)
+  counts = compaction.entries_per_query_tile(listed_BKS, block_q=8, num_q_tiles=5,
                                              query_offset=0, window_size=window)
   for b in range(batch):
     for h in range(num_kv_heads):
