@@ -199,18 +199,13 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
                                     sync=sync_jax)
   record["ours_fwdbwd_ms"] = median_ms(forward_backward, jax_sets_bwd, warmup=warmup,
                                        repeats=repeats, sync=sync_jax)
-  # The state pass with the outputs inside it or after it (StatePassConfig.separate_output):
-  # the default picks one by B x H; the other is timed to check that choice.
-  default_config = default_state_config(dim, batch * heads)
-  record["separate_output_default"] = default_config.separate_output
-  flipped = dataclasses.replace(default_config,
-                                separate_output=not default_config.separate_output)
-  other_fwd, other_fwd_bwd = ours(ChunkConfig(state_pass=flipped))
-  key = f"ours_separate_output_{flipped.separate_output}"
-  record[f"{key}_fwd_ms"] = median_ms(other_fwd, jax_sets, warmup=warmup, repeats=repeats,
-                                      sync=sync_jax)
-  record[f"{key}_fwdbwd_ms"] = median_ms(other_fwd_bwd, jax_sets_bwd, warmup=warmup,
-                                         repeats=repeats, sync=sync_jax)
+  # Training: the outputs after the state pass (the default) or inside it
+  # (StatePassConfig.separate_output_train), to check that choice.
+  default_config = default_state_config(dim)
+  _, inside_fwd_bwd = ours(ChunkConfig(state_pass=dataclasses.replace(
+      default_config, separate_output_train=False)))
+  record["ours_fwdbwd_output_inside_pass_ms"] = median_ms(
+      inside_fwd_bwd, jax_sets_bwd, warmup=warmup, repeats=repeats, sync=sync_jax)
   # Our pieces: the preparation (forward; forward + backward), the chunk inverse inside it
   # (forward, by launch width) and the Pallas scan alone. The opt-in fused preparation is timed
   # by --sweep-prep.

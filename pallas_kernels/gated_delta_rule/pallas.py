@@ -225,8 +225,7 @@ def _scan(scan_inputs, state_BHKV, chunk_size, store_dtype, exact, state_config,
   """Step (b) and the slicing back to the caller's T, K, V."""
   o_BTHV, final_state_BHKV = chunk_scan(
       *scan_inputs, state_BHKV, chunk_size, store_dtype, exact,
-      default_state_config(state_BHKV.shape[2], state_BHKV.shape[0] * state_BHKV.shape[1])
-      if state_config is None else state_config)
+      default_state_config(state_BHKV.shape[2]) if state_config is None else state_config)
   o_BTHV = o_BTHV[:, :seq_len, :, :value_dim].astype(dtype)
   if not output_final_state:
     return o_BTHV, None

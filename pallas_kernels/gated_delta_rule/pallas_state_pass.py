@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["SEPARATE_OUTPUT_BELOW_PAIRS", "StatePassConfig", "chunk_scan", "default_state_config", "interpret", "kernel_dot",
+__all__ = ["StatePassConfig", "chunk_scan", "default_state_config", "interpret", "kernel_dot",
            "triton_compiler_params"]
 
 
@@ -47,11 +47,15 @@ class StatePassConfig:
   differentiation (it also writes every chunk's state and v_new for the backward, which needs more
   registers and shared memory), *_bwd for the backward.
   v_blocks_adjacent: launch the V-blocks of one head next to each other (see `_grid_and_specs`).
-  separate_output: the sequential pass only carries the state (and writes every chunk's state and
-    v_new); the outputs o = qg h + p v_new follow in parallel over chunks (XLA batched matmuls).
-    This halves the matmuls on the sequential path, for the price of writing and reading the chunk
-    states; it pays when B x H x V-blocks programs leave most of the GPU idle (see
-    `default_state_config`).
+  separate_output_train: under differentiation, the sequential pass only carries the state (it
+    writes every chunk's state and v_new for the backward in any case) and the outputs
+    o = qg h + p v_new follow in parallel over chunks (XLA batched matmuls); this halves the
+    matmuls on the sequential path. The plain forward always computes o inside the pass (it would
+    have to write the chunk states only for this). Measured on one H100 (session 6, docs/
+    benchmarks.md), forward + backward ms inside / after the pass: B1 T16384 H8 K=V=128 3.42 /
+    3.27, B8 T4096 H8 K=V=128 3.86 / 3.83, B4 T4096 H64 K=V=128 14.14 / 13.97; the plain forward
+    was slower with the outputs after the pass at all three (1.16 / 1.32, 1.27 / 1.52,
+    4.38 / 5.54 ms).
   """
   block_v: int = 64
   num_warps: int = 4
@@ -63,14 +67,14 @@ class StatePassConfig:
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
   v_blocks_adjacent: bool = False
-  separate_output: bool = False
+  separate_output_train: bool = True
 
   def __post_init__(self):
-    for name in ("v_blocks_adjacent", "separate_output"):
+    for name in ("v_blocks_adjacent", "separate_output_train"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"StatePassConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for field in dataclasses.fields(self):
-      if field.name in ("v_blocks_adjacent", "separate_output"):
+      if field.name in ("v_blocks_adjacent", "separate_output_train"):
         continue
       value = getattr(self, field.name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -81,27 +85,20 @@ class StatePassConfig:
         raise ValueError(f"StatePassConfig.{name} must be a power of two >= 16, got {value}")
 
 
-# Below this many (batch row, head) pairs the outputs leave the sequential pass
-# (StatePassConfig.separate_output): one H100 has 132 SMs and the pass runs one program per pair
-# and V-block.
-SEPARATE_OUTPUT_BELOW_PAIRS = 32
-
-
-def default_state_config(padded_key_dim: int, num_pairs: int | None = None) -> StatePassConfig:
-  """Launch parameters by (padded) head size K and the number of (batch row, head) pairs.
+def default_state_config(padded_key_dim: int) -> StatePassConfig:
+  """Launch parameters by (padded) head size K.
 
   K = 256 with two pipeline stages asks for 256-264 KiB of shared memory (measured on an H200,
   which has 227 KiB), so K = 256 runs without load pipelining.
   """
-  separate = num_pairs is not None and num_pairs < SEPARATE_OUTPUT_BELOW_PAIRS
   if padded_key_dim <= 128:
-    return StatePassConfig(separate_output=separate)
+    return StatePassConfig()
   # Sweep at B8 T4096 H8 K=V=256 (H200; docs/benchmarks.md): plain forward 0.84 ms at
   # (64, 4 warps, 1 stage, adjacent) vs 1.12 ms at (32, 4, 1, not adjacent); forward + backward
   # 3.7 ms for every config that fits, so the training kernels keep the tested (32, 4, 1).
   return StatePassConfig(block_v=64, num_warps=4, num_stages=1, block_v_train=32,
                          num_warps_train=4, num_stages_train=1, block_v_bwd=32, num_warps_bwd=4,
-                         num_stages_bwd=1, v_blocks_adjacent=True, separate_output=separate)
+                         num_stages_bwd=1, v_blocks_adjacent=True)
 
 
 def interpret() -> bool:
@@ -226,8 +223,8 @@ def _grid_and_specs(batch, heads, padded_len, key_dim, value_dim, chunk_size, bl
 def _forward(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact, config,
              store_residuals):
   """(o, h_final, [h_chunks, v_new] if store_residuals); o by the kernel, or after it from the
-  chunk states (config.separate_output, which makes the kernel store them in any case)."""
-  if not config.separate_output:
+  stored chunk states (config.separate_output_train, under differentiation)."""
+  if not (store_residuals and config.separate_output_train):
     return _forward_call(w, u, kd, qg, p, decay, h0, chunk_size=chunk_size,
                          store_dtype=store_dtype, exact=exact, config=config,
                          store_residuals=store_residuals, with_output=True)
@@ -235,7 +232,7 @@ def _forward(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact, conf
       w, u, kd, qg, p, decay, h0, chunk_size=chunk_size, store_dtype=store_dtype, exact=exact,
       config=config, store_residuals=True, with_output=False)
   o = _outputs_from_states(qg, p, h_chunks, v_new, chunk_size=chunk_size, exact=exact)
-  return (o, h_final, h_chunks, v_new) if store_residuals else (o, h_final)
+  return o, h_final, h_chunks, v_new
 
 
 def _outputs_from_states(qg, p, h_chunks, v_new, *, chunk_size, exact):

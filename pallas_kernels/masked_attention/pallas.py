@@ -4,14 +4,16 @@ sinks, LTE training (window + kept keys) and LTE prefill (window + kept keys + l
 XLA pads T and S to the tile sizes and builds the sorted kept list (sinks + kept keys); the
 kernels (pallas_forward, pallas_backward) visit the window tiles plus only the list entries that
 are outside each query's window. Gradients wrt q, k, v come from a custom VJP (dq kernel, dk/dv
-window and kept-list kernels); the kept list's dk/dv reach k/v through the gather's own gradient
-(taken in XLA before the call, or inside the backward with BlockSizes.gather_kept_in_kernel). A
-call that is not differentiated (prefill) runs the forward without its logsumexp output.
+window and kept-list kernels); the kept list's dk/dv reach k/v through the transpose of the
+gather of its K/V (taken inside the backward). A call that is not differentiated (prefill) runs
+the forward without its logsumexp output and reads the kept K/V by position; a differentiated
+one gathers K/V copies for its kernels unless BlockSizes.gather_kept_in_kernel.
 On CPU the kernels run in Pallas interpret mode (for tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,12 +34,24 @@ def _round_up(value: int, multiple: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
-  # Not differentiated (prefill, evaluation): the forward that writes no logsumexp.
+  # Not differentiated (prefill, evaluation): the forward that writes no logsumexp, reading the
+  # kept list's keys/values from k/v by position (no copies; measured 3-5% faster at B8 T4096 to
+  # B2 T16384 than gathered copies, docs/benchmarks.md, session 6).
+  problem = dataclasses.replace(problem, gather_kept_in_kernel=True)
   o, _ = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd, with_lse=False)
   return o
 
 
+def _with_copies(problem, kept, k, v):
+  """The kept list with gathered K/V copies, unless the kernels read them by position."""
+  if kept is None or problem.gather_kept_in_kernel:
+    return kept
+  return compaction.KeptList(kept.positions_BKC,
+                             *compaction.gather_kept(k, v, kept.positions_BKC))
+
+
 def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
+  kept = _with_copies(problem, kept, k, v)
   o, lse = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
   return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, o, lse)
 
@@ -49,22 +63,20 @@ def _attention_core_bwd(problem, blocks, residuals, do):
   do = do.astype(q.dtype)
   dq = backward_dq(problem, blocks, q, k, v, do, lse, delta, key_valid, kept, counts_dq)
   dk, dv = backward_dkdv_window(problem, blocks, q, k, v, do, lse, delta, key_valid)
-  d_kept = None
-  if kept is not None and problem.gather_kept_in_kernel:
-    # The kept dk/dv kernel reads the entries' k/v as a list: gather them here, and send their
-    # gradients back through the gather's transpose (a scatter-add that drops padding entries).
+  if kept is not None:
+    # The kept dk/dv kernel reads the entries' k/v as a list (gathered here when the forward read
+    # them by position); their gradients go back through the gather's transpose (a scatter-add
+    # that drops padding entries).
     (kept_k, kept_v), gather_transpose = jax.vjp(
         lambda k, v: compaction.gather_kept(k, v, kept.positions_BKC), k, v)
+    if kept.k_BCKD is not None:
+      kept_k, kept_v = kept.k_BCKD, kept.v_BCKD
     dk_kept, dv_kept = backward_dkdv_kept(
         problem, blocks, q, do, lse, delta,
         compaction.KeptList(kept.positions_BKC, kept_k, kept_v))
     dk_add, dv_add = gather_transpose((dk_kept.astype(k.dtype), dv_kept.astype(v.dtype)))
     dk, dv = dk + dk_add.astype(jnp.float32), dv + dv_add.astype(jnp.float32)
-  elif kept is not None:
-    dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept)
-    d_kept = compaction.KeptList(None, dk_kept.astype(kept.k_BCKD.dtype),
-                                 dv_kept.astype(kept.v_BCKD.dtype))
-  return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, d_kept, None, None)
+  return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
 
 
 _attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
@@ -137,12 +149,10 @@ def masked_attention(
     listed_BKS = compaction.listed_keys(
         batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
         kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)
-    positions_BKC = compaction.kept_positions(listed_BKS, capacity=padded_key_len)
-    if block_sizes.gather_kept_in_kernel:
-      kept = compaction.KeptList(positions_BKC, None, None)
-    else:
-      kept = compaction.KeptList(positions_BKC,
-                                 *compaction.gather_kept(k_BSKD, v_BSKD, positions_BKC))
+    # Positions only: the K/V copies, where the kernels use them, are gathered in the
+    # differentiated forward (_attention_core_fwd).
+    kept = compaction.KeptList(
+        compaction.kept_positions(listed_BKS, capacity=padded_key_len), None, None)
     counts_fwd, counts_dq = (
         compaction.entries_per_query_tile(
             listed_BKS, block_q=block_q, num_q_tiles=padded_query_len // block_q,

@@ -41,8 +41,9 @@ SPLIT_V = StatePassConfig(block_v=16, block_v_train=16, block_v_bwd=16, v_blocks
 @pytest.mark.parametrize("seq_len,chunk_size,key_dim,value_dim,with_state,use_qk_l2norm,state", [
     (37, 16, 16, 32, True, False, SPLIT_V),
     (70, 32, 32, 16, False, True, None),
-    (37, 16, 24, 20, True, True, StatePassConfig(num_stages=1, num_stages_bwd=3)),
-], ids=["T37_C16_state_raw_splitV", "T70_C32_nostate_l2norm", "T37_C16_K24_V20_padded"])
+    (37, 16, 24, 20, True, True, StatePassConfig(num_stages=1, num_stages_bwd=3,
+                                                 separate_output_train=False)),
+], ids=["T37_C16_state_raw_splitV", "T70_C32_nostate_l2norm", "T37_C16_K24_V20_padded_o_in_pass"])
 def test_chunk_pallas_float32_matches_float64_recurrence(seq_len, chunk_size, key_dim, value_dim,
                                                          with_state, use_qk_l2norm, state):
   inputs = round_to(make_inputs(100 + seq_len + key_dim, seq_len=seq_len, key_dim=key_dim,
