@@ -8,7 +8,7 @@
 # Run from the repository root on the device machine, with the wheels of
 # ../shared/tools/gpu_wheels.sh carried as .whl (`carry=[".whl"]`):
 #   bash tools/gpu_session.sh tests     # GPU parity tests (~9 min)
-#   bash tools/gpu_session.sh kernels   # attention + decode benchmarks (~8 min)
+#   bash tools/gpu_session.sh kernels   # attention + decode benchmarks (~8 min; "attention": no decode)
 #   bash tools/gpu_session.sh profile   # GDN pieces + FLA at one shape, attention pieces (~9 min)
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~9 min)
 #   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 2, 3 (~9 min)
@@ -16,7 +16,7 @@
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh tests|kernels|profile|gdn|gdn23|study|multigpu}
+stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|gdn|gdn23|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -50,13 +50,15 @@ case "$stage" in
     step 520 python3 -m pytest -q -m gpu tests/pallas_kernels tests/lalte_jax -n 6 \
       -p no:cacheprovider --durations=20
     ;;
-  kernels)
+  kernels|attention)
     # session 5 on an H100: the 4K run needed more than 150 s (its checks), the 8K/16K run ~100 s
     step 230 python3 tools/bench_attention.py --quick --iters 10 --json "$out/attention.json"
     step 150 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
       --lengths 8192 16384 --only "SWA-1024" "LTE train" "LTE prefill (" "kept list" \
       --json "$out/attention_long.json"
-    step 100 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
+    # "attention" leaves out the decode benchmark (for calls that add another stage)
+    [ "$stage" = kernels ] && step 100 python3 tools/bench_decode_attention.py --repeats 20 \
+      --json "$out/decode.json"
     ;;
   profile)
     # Where the time goes (session 6): the GDN preparation's parts at every shape of issue 6, FLA
@@ -72,6 +74,7 @@ case "$stage" in
     # shapes in one 240 s step finished neither (B8 T4096 K=256 and K=128), one shape took ~150 s.
     # Each run writes <dir>/compare_fla.json after every result.
     shapes=(0 1); [ "$stage" = gdn23 ] && shapes=(2 3)
+    [ -n "${GDN_SHAPES:-}" ] && read -ra shapes <<<"$GDN_SHAPES"  # e.g. GDN_SHAPES="2"
     for shape in "${shapes[@]}"; do
       mkdir -p "$out/shape$shape"
       step 265 python3 tools/compare_fla.py --quick --shapes "$shape" --no-train \
@@ -120,7 +123,7 @@ case "$stage" in
       --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$out/train_fsdp.json"  # --batch is per GPU
     ;;
   *)
-    echo "unknown stage: $stage (tests, kernels, profile, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
+    echo "unknown stage: $stage (tests, kernels, attention, profile, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
 tail -n 60 "$log"
