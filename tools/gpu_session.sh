@@ -10,13 +10,14 @@
 #   bash tools/gpu_session.sh tests     # GPU parity tests (~9 min)
 #   bash tools/gpu_session.sh kernels   # attention + decode benchmarks (~8 min; "attention": no decode)
 #   bash tools/gpu_session.sh profile   # GDN pieces + FLA at one shape, attention pieces (~9 min)
+#   bash tools/gpu_session.sh checks    # tiny-model checks (GDN, laLTE) and decode benchmark (~9 min)
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~9 min)
 #   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 2, 3 (~9 min)
 #   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|gdn|gdn23|study|multigpu}
+stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|checks|gdn|gdn23|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -68,6 +69,15 @@ case "$stage" in
       --out "$out"
     step 230 python3 tools/bench_attention.py --no-checks --no-fla --iters 20 \
       --only "SWA-1024" "LTE train" "LTE prefill" "kept list" --json "$out/attention.json"
+    ;;
+  checks)
+    # The model-level checks after a kernel change: gdn-tiny trained with the Pallas GDN kernel vs
+    # the XLA reference (plus our GDN timings at one shape), the attention parity and laLTE-tiny
+    # checks of bench_attention.py (only the cuDNN anchor timed), and the decode benchmark.
+    step 200 python3 tools/compare_fla.py --quick --no-fla --shapes 1 --out "$out"
+    step 260 python3 tools/bench_attention.py --quick --no-fla --iters 5 --only "cuDNN SWA-1024" \
+      --json "$out/attention_checks.json"
+    step 100 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
     ;;
   gdn|gdn23)
     # One shape per step: FLA autotunes on its first call per shape, and in session 5 (H100) two
@@ -123,7 +133,7 @@ case "$stage" in
       --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$out/train_fsdp.json"  # --batch is per GPU
     ;;
   *)
-    echo "unknown stage: $stage (tests, kernels, attention, profile, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
+    echo "unknown stage: $stage (tests, kernels, attention, profile, checks, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
 tail -n 60 "$log"
