@@ -87,6 +87,15 @@ def median_ms(fn, arg_sets, *, warmup, iters, sync=jax.block_until_ready):
   return 1e3 * statistics.median(times)
 
 
+def run_for_seconds(fn, arg_sets, *, seconds: float) -> None:
+  """Calls fn (cycling through arg_sets) until `seconds` of wall time have passed."""
+  end = time.perf_counter() + seconds
+  i = 0
+  while time.perf_counter() < end:
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    i += 1
+
+
 def random_kept(key, batch, length, num_kv_heads, count):
   """bool [B, S, Hkv] with exactly `count` True per (batch, KV head) at random positions."""
   scores = jax.random.uniform(key, (batch, num_kv_heads, length))
@@ -205,6 +214,10 @@ def bench_jax(batch, length, args, results):
           continue
         variants[name] = (jax_variants(blocks)[base][0], "cuDNN SWA-1024")
         modes[name] = modes.get(name, ()) + (tag,)
+  # Sustained load first: without it the first variant timed (the anchor) measured up to ~10%
+  # slow on one H100 while the clocks ramped up (session 6), which flattered every ratio.
+  anchor_fwd_bwd = fwd_and_bwd(jax_variants()["cuDNN SWA-1024"][0])
+  run_for_seconds(anchor_fwd_bwd, bwd_sets, seconds=args.warmup_s)
   for name, (attn, anchor) in variants.items():
     try:
       if "fwd" in modes[name]:
@@ -340,6 +353,8 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="B8 T4096 only")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=15)
+  parser.add_argument("--warmup-s", type=float, default=3.0,
+                      help="seconds of anchor calls before each shape's timings (GPU clocks)")
   parser.add_argument("--no-fla", action="store_true")
   parser.add_argument("--sweep", action="store_true",
                       help="time SWA-1024, LTE prefill and LTE training at B8 T4096 for each"
