@@ -16,7 +16,8 @@ def format_value(value) -> str:
   if value is None:
     return "–"
   if isinstance(value, float):
-    return f"{value:.1f}" if abs(value) >= 10 or value == 0 else f"{value:.3g}"
+    # "#": trailing zeros stay, so 2.0 prints as 2.00 (an accuracy or loss, not an integer count).
+    return f"{value:.1f}" if abs(value) >= 10 or value == 0 else f"{value:#.3g}"
   return str(value)
 
 
