@@ -9,7 +9,8 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    parts (layout, decays, WY transform), the chunk inverse inside it (by launch width) and the Pallas chunk scan alone; our numbers are printed
    before FLA runs (its first call per shape autotunes for minutes).
 2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
-   `--sweep-prep`: the same for the preparation kernels (pallas_prepare.PrepareConfig).
+   `--sweep-prep`: the opt-in preparation kernels' forward (pallas_prepare.PrepareConfig) next
+   to the default XLA preparation's.
 3. a tiny GDN model (`gdn-tiny`, bf16) trains a few steps with the Pallas kernel and with the XLA
    reference from the same initial weights and batches; the losses must agree within the bf16
    tolerance (2e-2 relative).
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
 from pallas_kernels.gated_delta_rule import ChunkConfig, StatePassConfig, chunk_gated_delta_rule
-from pallas_kernels.gated_delta_rule.pallas import (
+from pallas_kernels.gated_delta_rule.xla_prepare import (
     chunk_decays,
     chunk_layout,
     prepare_scan_inputs,
@@ -62,9 +63,8 @@ SWEEP_CONFIGS = ((32, 4, 1, False), (32, 4, 1, True), (16, 4, 1, True), (32, 8, 
                  (128, 8, 1, True), (16, 2, 2, True), (16, 4, 2, True), (32, 4, 2, True))
 # Launch widths of the chunk inverse timed at every shape.
 INVERSE_WARPS = (1, 2, 4)
-# (num_warps, num_stages, num_warps_bwd, num_stages_bwd) tried by --sweep-prep.
-PREP_SWEEP_CONFIGS = ((4, 1, 4, 1), (8, 1, 8, 1), (4, 2, 4, 2), (8, 2, 8, 2), (2, 1, 4, 1),
-                      (4, 1, 8, 1))
+# (num_warps, num_stages) of the per-chunk preparation kernels tried by --sweep-prep.
+PREP_SWEEP_CONFIGS = ((4, 1), (8, 1), (4, 2), (8, 2), (2, 1))
 
 
 def log(record: dict, results: list, out_dir: str | None):
@@ -133,11 +133,11 @@ def ours(config: ChunkConfig):
 
 def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
   """Jitted preparation (step a): forward, and forward + backward (cotangents = the outputs).
-  fused=False: the default (XLA + the Pallas inverse); True: the fused Pallas kernels."""
+  fused=False: the default (XLA + the Pallas inverse); True: the Pallas kernels (forward; their
+  gradient is the XLA preparation's)."""
   def forward(q, k, v, g, beta):
     if fused:
-      return prepare_chunks(q, k, v, g, beta, scale=None, use_qk_l2norm=True, chunk_size=64,
-                            config=config)
+      return prepare_chunks(q, k, v, g, beta, None, True, 64, config)
     return prepare_scan_inputs(q, k, v, g, beta, scale=None, initial_state=None,
                                use_qk_l2norm=True, chunk_size=64)[:6]
 
@@ -301,20 +301,22 @@ def sweep_shape(shape, args, results):
 
 
 def sweep_prep_shape(shape, args, results):
-  """Times the fused preparation alone (forward; forward + backward) for several launch configs."""
+  """Times the opt-in preparation kernels' plain forward for several launch configs, next to the
+  default XLA preparation's forward."""
   batch, seq_len, heads, dim = shape
   sets = [make_inputs(seed, *shape) for seed in (0, 1)]
   jax_sets = [[s[n] for n in ("q", "k", "v", "g", "beta")] for s in sets]
   name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
-  for warps, stages, warps_bwd, stages_bwd in PREP_SWEEP_CONFIGS:
-    config = PrepareConfig(num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd,
-                           num_stages_bwd=stages_bwd)
-    record = {"sweep": "prep", "shape": name, "config": [warps, stages, warps_bwd, stages_bwd]}
-    for key, fn in zip(("fwd_ms", "fwdbwd_ms"), prep_fns(config, fused=True)):
-      try:
-        record[key] = median_ms(fn, jax_sets, warmup=2, repeats=10, sync=jax.block_until_ready)
-      except Exception as error:  # pylint: disable=broad-except
-        record[key] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+  timed = lambda fn: median_ms(fn, jax_sets, warmup=2, repeats=10, sync=jax.block_until_ready)
+  log({"sweep": "prep", "shape": name, "config": "xla", "fwd_ms": timed(prep_fns()[0])},
+      results, args.out)
+  for warps, stages in PREP_SWEEP_CONFIGS:
+    record = {"sweep": "prep", "shape": name, "config": [warps, stages]}
+    try:
+      record["fwd_ms"] = timed(prep_fns(PrepareConfig(num_warps=warps, num_stages=stages),
+                                        fused=True)[0])
+    except Exception as error:  # pylint: disable=broad-except
+      record["fwd_ms"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
     log(record, results, args.out)
 
 

@@ -45,8 +45,9 @@ class ChunkConfig:
     "xla"; "pallas" needs a power of two >= 16.
   state_pass: launch parameters of the Pallas chunk-scan kernels ("pallas" only); None picks
     them by head size (`pallas_state_pass.default_state_config`).
-  fused_prepare: "pallas" only: prepare the chunks in one fused Pallas kernel per chunk instead of
-    XLA + the Pallas inverse (opt-in: slower today and K, V <= 128; see pallas.py).
+  fused_prepare: "pallas" only: the plain forward prepares the chunks with Pallas kernels per
+    chunk instead of XLA around the Pallas inverse; gradients are the same either way (opt-in
+    until measured on a GPU; see pallas.py).
   """
   chunk_size: int = 64
   state_pass: StatePassConfig | None = None

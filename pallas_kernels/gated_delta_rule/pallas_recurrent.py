@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta_rule.pallas import next_power_of_two
+from pallas_kernels.gated_delta_rule.xla_prepare import next_power_of_two
 from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
 from pallas_kernels.gated_delta_rule.reference import (
     _prepare_inputs,

@@ -1,10 +1,11 @@
-"""The fused per-chunk preparation (pallas_prepare.py) against the XLA `prepare_scan_inputs`.
+"""The per-chunk preparation kernels (pallas_prepare.py) against the XLA `prepare_scan_inputs`.
 
-Interpret mode off the GPU: the kernels' logic (l2norm, decays, on-chip inverse, the hand-written
-backward) on tiny shapes. The forward outputs and the VJP (all five input gradients, random
-cotangents for all six outputs) must match jax.vjp of the XLA reference. Interpret mode fills
-output buffers with NaN before the kernel runs and the comparisons reject non-finite values, so
-every output element must be written.
+Interpret mode off the GPU: the kernels' logic (l2norm, decays, A, the inverse between the two
+kernels, w and u) on tiny shapes. The forward outputs must match the XLA preparation; the VJP
+(all five input gradients, random cotangents for all six outputs) must equal jax.vjp of the XLA
+preparation, which is what prepare_chunks differentiates. Interpret mode fills output buffers
+with NaN before the kernel runs and the comparisons reject non-finite values, so every output
+element must be written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta_rule.pallas import prepare_scan_inputs
+from pallas_kernels.gated_delta_rule.xla_prepare import prepare_scan_inputs
 from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
 from tests.kernel_testing import assert_close
 from tests.pallas_kernels.test_gated_delta_rule import make_inputs, round_to
@@ -39,7 +40,8 @@ def _compare(dtype, *, seq_len, chunk_size, key_dim, value_dim, use_qk_l2norm, s
                  use_qk_l2norm=use_qk_l2norm)
   kwargs = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
   fused = jax.jit(lambda *a: jax.vjp(
-      lambda *x: prepare_chunks(*x, scale=None, config=PrepareConfig(), **kwargs), *a))
+      lambda *x: prepare_chunks(*x, None, kwargs["use_qk_l2norm"], kwargs["chunk_size"],
+                                PrepareConfig()), *a))
   reference = jax.jit(lambda *a: jax.vjp(lambda *x: _reference(*x, **kwargs), *a))
   actual, actual_vjp = fused(*args)
   expected, expected_vjp = reference(*args)
@@ -78,28 +80,25 @@ def test_prepare_chunks_config_validates():
     PrepareConfig(num_warps=0)
   with pytest.raises(ValueError, match="chunk_size"):
     prepare_chunks(*_inputs(1, jnp.float32, seq_len=8, key_dim=16, value_dim=16,
-                            use_qk_l2norm=True), scale=None, use_qk_l2norm=True, chunk_size=24)
+                            use_qk_l2norm=True), None, True, 24)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bf16"])
-def test_prepare_chunks_on_gpu_matches_xla(dtype):
-  # Compiled by Triton at a realistic head size and the default chunk; T = 1000 is not a multiple
+@pytest.mark.parametrize("dtype,key_dim", [(jnp.float32, 128), (jnp.bfloat16, 128),
+                                           (jnp.bfloat16, 256)], ids=["float32", "bf16", "bf16_K256"])
+def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim):
+  # Compiled by Triton at realistic head sizes and the default chunk; T = 1000 is not a multiple
   # of it.
-  _compare(dtype, seq_len=1000, chunk_size=64, key_dim=128, value_dim=128, use_qk_l2norm=True,
-           seed=31)
+  _compare(dtype, seq_len=1000, chunk_size=64, key_dim=key_dim, value_dim=key_dim,
+           use_qk_l2norm=True, seed=31)
 
 
-def test_fused_prepare_is_opt_in_through_the_public_entry_and_limited_to_128():
+def test_fused_prepare_is_opt_in_through_the_public_entry():
   from pallas_kernels.gated_delta_rule import ChunkConfig, chunk_gated_delta_rule
   args = _inputs(3, jnp.float32, seq_len=20, key_dim=16, value_dim=16, use_qk_l2norm=True)
   run = lambda config: chunk_gated_delta_rule(*args, use_qk_l2norm=True, implementation="pallas",
                                               config=config)[0]
   assert_close(run(ChunkConfig(chunk_size=16, fused_prepare=True)),
                run(ChunkConfig(chunk_size=16)), jnp.float32, name="o")
-  wide = _inputs(3, jnp.float32, seq_len=20, key_dim=200, value_dim=16, use_qk_l2norm=True)
-  with pytest.raises(NotImplementedError, match="fused_prepare"):
-    chunk_gated_delta_rule(*wide, implementation="pallas",
-                           config=ChunkConfig(chunk_size=16, fused_prepare=True))
   with pytest.raises(ValueError, match="fused_prepare"):
     ChunkConfig(fused_prepare=1)
