@@ -13,13 +13,14 @@
 #   bash tools/gpu_session.sh checks    # tiny-model checks (GDN, laLTE) and decode benchmark (~9 min)
 #   bash tools/gpu_session.sh sweeps    # prefill and decode launch-parameter sweeps (~7 min)
 #   bash tools/gpu_session.sh confirm   # decode + attention ratios at 3 lengths, no FLA (~6 min)
+#   bash tools/gpu_session.sh prep      # GDN preparation kernels vs XLA, 4 shapes; FLA at B4 H64
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~9 min)
 #   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 2, 3 (~9 min)
 #   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|checks|sweeps|confirm|gdn|gdn23|study|multigpu}
+stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|checks|sweeps|confirm|prep|gdn|gdn23|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -96,6 +97,14 @@ case "$stage" in
     step 240 python3 tools/bench_attention.py --no-checks --no-fla --iters 10 \
       --only "SWA-1024" "LTE train (" "LTE prefill (" --json "$out/attention.json"
     ;;
+  prep)
+    # The opt-in per-chunk preparation kernels' forward next to the XLA preparation at every
+    # shape (launch configs of pallas_prepare.PrepareConfig), then the GDN against FLA at
+    # B4 T4096 H64, the shape the preparation limits most (session 6).
+    step 280 python3 tools/compare_fla.py --quick --sweep-prep --sweep-shapes 3,0,1,2 --no-fla \
+      --no-train --shapes 3 --out "$out/sweep"
+    step 250 python3 tools/compare_fla.py --quick --no-train --shapes 3 --out "$out/shape3"
+    ;;
   gdn|gdn23)
     # One shape per step: FLA autotunes on its first call per shape, and in session 5 (H100) two
     # shapes in one 240 s step finished neither (B8 T4096 K=256 and K=128), one shape took ~150 s.
@@ -150,7 +159,7 @@ case "$stage" in
       --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$out/train_fsdp.json"  # --batch is per GPU
     ;;
   *)
-    echo "unknown stage: $stage (tests, kernels, attention, profile, checks, sweeps, confirm, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
+    echo "unknown stage: $stage (tests, kernels, attention, profile, checks, sweeps, confirm, prep, gdn, gdn23, study or multigpu)" >&2; exit 2 ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
 tail -n 60 "$log"
