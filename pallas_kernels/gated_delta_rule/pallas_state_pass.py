@@ -52,10 +52,10 @@ class StatePassConfig:
     o = qg h + p v_new follow in parallel over chunks (XLA batched matmuls); this halves the
     matmuls on the sequential path. The plain forward always computes o inside the pass (it would
     have to write the chunk states only for this). Measured on one H100 (session 6, docs/
-    benchmarks.md), forward + backward ms inside / after the pass: B1 T16384 H8 K=V=128 3.42 /
-    3.27, B8 T4096 H8 K=V=128 3.86 / 3.83, B4 T4096 H64 K=V=128 14.14 / 13.97; the plain forward
-    was slower with the outputs after the pass at all three (1.16 / 1.32, 1.27 / 1.52,
-    4.38 / 5.54 ms).
+    benchmarks.md), forward + backward ms inside / after the pass: B8 T4096 H8 K=V=256 8.05 /
+    7.64, K=V=128 3.97 / 3.80, B4 T4096 H64 K=V=128 14.60 / 13.91; B1 T16384 H8 3.42 / 3.27 and
+    3.37 / 3.45 in two runs (within noise). The plain forward was slower with the outputs after
+    the pass at all shapes tried (1.16 / 1.32, 1.27 / 1.52, 4.38 / 5.54 ms).
   """
   block_v: int = 64
   num_warps: int = 4
