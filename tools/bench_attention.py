@@ -104,14 +104,14 @@ def random_kept(key, batch, length, num_kv_heads, count):
 
 
 def kept_list_alone(q, k, v, kept, key_valid):
-  """What masked_attention computes in XLA before the LTE prefill kernel (no key padding mask)."""
+  """What masked_attention computes in XLA before the LTE prefill kernel (no key padding mask),
+  plus the kept K/V copies that a differentiated call gathers."""
   del key_valid
   batch, length, num_kv_heads, _ = k.shape
   listed = compaction.listed_keys(batch=batch, key_len=length, num_kv_heads=num_kv_heads,
                                   num_sinks=0, kept_BSK=kept, key_valid_BS=None)
-  positions = compaction.kept_positions(listed, capacity=length)
-  counts = compaction.entries_per_query_tile(
-      listed, block_q=BlockSizes().block_q, num_q_tiles=q.shape[1] // BlockSizes().block_q,
+  positions, counts = compaction.kept_list_and_counts(
+      listed, capacity=length, block_qs=(BlockSizes().block_q,), padded_query_len=q.shape[1],
       query_offset=0, window_size=LTE_WINDOW_KEYS)
   return positions, compaction.gather_kept(k, v, positions), counts
 
@@ -148,10 +148,8 @@ def jax_variants(block_sizes=None):
                       window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill (769 + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
-      # BlockSizes.gather_kept_in_kernel: no [B, S, Hkv, D] copies of the kept K/V before the call.
-      "ours LTE prefill (769 + 256 kept), K/V by position in kernel": (
-          ours_blocks(BlockSizes(gather_kept_in_kernel=True), True,
-                      window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      # BlockSizes.gather_kept_in_kernel: no [B, S, Hkv, D] copies of the kept K/V in training
+      # (a prefill call always reads them by position).
       "ours LTE train (769 + 4 sinks + 256 kept), K/V by position in kernel": (
           ours_blocks(BlockSizes(gather_kept_in_kernel=True), True,
                       window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),

@@ -6,8 +6,9 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    ours (`implementation="pallas"`); prints the forward's relative difference and the medians of
    forward and forward+backward time after warm-up, rotating two input sets, and the ratios.
    Also times our pieces: the preparation (step a; forward, and forward + backward) and its
-   parts (layout, decays, WY transform), the chunk inverse inside it (by launch width) and the Pallas chunk scan alone; our numbers are printed
-   before FLA runs (its first call per shape autotunes for minutes).
+   parts (layout, decays, WY transform), the chunk inverse inside it (by launch width) and the
+   Pallas chunk scan alone; our numbers are printed before FLA runs (its first call per shape
+   autotunes for minutes).
 2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
    `--sweep-prep`: the opt-in preparation kernels' forward (pallas_prepare.PrepareConfig) next
    to the default XLA preparation's.
@@ -149,14 +150,14 @@ def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
 
 
 def prep_pieces_ms(input_sets, *, warmup, repeats) -> dict:
-  """Times the default preparation's parts (pallas.py) one by one, each jitted alone: the layout
-  (l2norm, padding, head-major copies), the decays, and the WY transform (forward; forward +
-  backward with its outputs as cotangents)."""
+  """Times the default preparation's parts (xla_prepare.py) one by one, each jitted alone: the
+  layout (l2norm, padding, head-major copies), the decays, and the WY transform (forward; forward
+  + backward with its outputs as cotangents)."""
   timed = lambda fn, sets: median_ms(jax.jit(fn), sets, warmup=warmup, repeats=repeats,
                                      sync=jax.block_until_ready)
-  layout = jax.jit(functools.partial(chunk_layout, scale=None, initial_state=None,
-                                     use_qk_l2norm=True, chunk_size=64))
-  chunks = [layout(*s) for s in input_sets]
+  layout = functools.partial(chunk_layout, scale=None, initial_state=None, use_qk_l2norm=True,
+                             chunk_size=64)
+  chunks = [jax.jit(layout)(*s) for s in input_sets]
   decays = [chunk_decays(c[3], exact=False) for c in chunks]
   wy_sets = [[c[1], c[2], c[4], d[0], d[1]] for c, d in zip(chunks, decays)]
   wy = functools.partial(wy_transform, exact=False)

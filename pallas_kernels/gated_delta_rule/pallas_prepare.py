@@ -121,10 +121,6 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm: bool, chunk_size: int
   compute dtype is float32); scale None means K**-0.5. T is zero-padded to Tp = N * C and K, V to
   powers of two >= 16 (only when needed), as `prepare_scan_inputs` does.
   """
-  return _prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, config)
-
-
-def _prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, config):
   _check(chunk_size, scale)
   exact = uses_exact_matmuls(q, k, v)
   batch, seq_len, heads, key_dim = q.shape

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["StatePassConfig", "chunk_scan", "default_state_config", "interpret", "kernel_dot",
-           "triton_compiler_params"]
+           "triton_compiler_params", "xla_matmul"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,15 +241,16 @@ def _outputs_from_states(qg, p, h_chunks, v_new, *, chunk_size, exact):
   value_dim = v_new.shape[-1]
   num_chunks = padded_len // chunk_size
   by_chunk = lambda x: x.reshape(batch, heads, num_chunks, -1, x.shape[-1])
-  mm = _batched_matmul(exact)
+  mm = xla_matmul(exact)
   o_BHNCV = (mm("bhnck,bhnkv->bhncv", by_chunk(qg), by_chunk(h_chunks))
              + mm("bhncj,bhnjv->bhncv", by_chunk(p), by_chunk(v_new)))
   o_BTHV = jnp.transpose(o_BHNCV.reshape(batch, heads, padded_len, value_dim), (0, 2, 1, 3))
   return o_BTHV.astype(v_new.dtype)
 
 
-def _batched_matmul(exact):
-  """XLA einsum with float32 results: full float32 when exact, else bf16 operands."""
+def xla_matmul(exact):
+  """einsum(spec, a, b) in XLA with float32 results: full float32 when exact, else bf16 operands
+  (tensor cores)."""
   if exact:
     return functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
@@ -361,7 +362,7 @@ def _chunk_scan_bwd(chunk_size, store_dtype, exact, config, residuals, cotangent
   v_new_BHNCV = by_chunk(v_new)
   dv_BHNCV = by_chunk(dv_BHTV)
   do_BHNCV = by_chunk(jnp.swapaxes(do_BTHV, 1, 2))
-  mm = _batched_matmul(exact)
+  mm = xla_matmul(exact)
   dw = -mm("bhncv,bhnkv->bhnck", dv_BHNCV, h_BHNKV)
   dkd = mm("bhncv,bhnkv->bhnck", v_new_BHNCV, dh_end_BHNKV)
   dqg = mm("bhncv,bhnkv->bhnck", do_BHNCV, h_BHNKV)

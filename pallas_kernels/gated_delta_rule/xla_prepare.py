@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta_rule.pallas_inverse import unit_lower_inverse
+from pallas_kernels.gated_delta_rule.pallas_state_pass import xla_matmul
 from pallas_kernels.gated_delta_rule.reference import _prepare_inputs
 
 __all__ = ["chunk_decays", "chunk_layout", "next_power_of_two", "prepare_scan_inputs",
@@ -30,15 +31,6 @@ def next_power_of_two(size: int, minimum: int = 16) -> int:
 def uses_exact_matmuls(q, k, v) -> bool:
   """float32 q, k, v: full-precision float32 matmuls and storage; otherwise bf16 operands."""
   return all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v))
-
-
-def _matmul(spec, a, b, *, exact):
-  """einsum with float32 results: full float32 when exact, else bf16 operands (tensor cores)."""
-  if exact:
-    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
-  return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-                    preferred_element_type=jnp.float32)
 
 
 def prepare_scan_inputs(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm,
@@ -57,7 +49,7 @@ def prepare_scan_inputs(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm
                                   exact=exact)
   kd_BHNCK = decay_to_end_BHNC[..., None] * k_BHNCK
   # The decayed causal attention within each chunk and the decayed queries (the outputs' inputs).
-  p_BHNCC = _matmul("bhnik,bhnjk->bhnij", q_BHNCK, k_BHNCK, exact=exact) * decay_BHNCC
+  p_BHNCC = xla_matmul(exact)("bhnik,bhnjk->bhnij", q_BHNCK, k_BHNCK) * decay_BHNCC
   qg_BHNCK = gamma_BHNC[..., None] * q_BHNCK
 
   batch, heads, num_chunks = g_BHNC.shape[:3]
@@ -141,10 +133,10 @@ def wy_transform(k_BHNCK, v_BHNCV, beta_BHNC, decay_BHNCC, gamma_BHNC, *, exact:
   A = diag(beta) (k k^T ⊙ decay) strictly below the diagonal."""
   chunk_size = beta_BHNC.shape[-1]
   strictly_lower_CC = jnp.arange(chunk_size)[None, :] < jnp.arange(chunk_size)[:, None]
-  kk_BHNCC = _matmul("bhnik,bhnjk->bhnij", k_BHNCK, k_BHNCK, exact=exact)
+  matmul = xla_matmul(exact)
+  kk_BHNCC = matmul("bhnik,bhnjk->bhnij", k_BHNCK, k_BHNCK)
   a_BHNCC = beta_BHNC[..., :, None] * jnp.where(strictly_lower_CC, decay_BHNCC, 0.0) * kk_BHNCC
   t_BHNCC = unit_lower_inverse(a_BHNCC) * beta_BHNC[..., None, :]
-  w_BHNCK = _matmul("bhnij,bhnjk->bhnik", t_BHNCC * gamma_BHNC[..., None, :], k_BHNCK,
-                    exact=exact)
-  u_BHNCV = _matmul("bhnij,bhnjv->bhniv", t_BHNCC, v_BHNCV, exact=exact)
+  w_BHNCK = matmul("bhnij,bhnjk->bhnik", t_BHNCC * gamma_BHNC[..., None, :], k_BHNCK)
+  u_BHNCV = matmul("bhnij,bhnjv->bhniv", t_BHNCC, v_BHNCV)
   return w_BHNCK, u_BHNCV

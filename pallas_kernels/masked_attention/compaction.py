@@ -49,12 +49,29 @@ def build_kept_list(k_BSKD, v_BSKD, listed_BKS, *, capacity) -> KeptList:
   k_BSKD/v_BSKD may be padded past the real key length S = listed_BKS.shape[-1]; keys at or
   beyond S are never listed. capacity must be >= S.
   """
-  positions_BKC = kept_positions(listed_BKS, capacity=capacity)
+  positions_BKC = kept_positions(listed_BKS, listed_before(listed_BKS), capacity=capacity)
   return KeptList(positions_BKC, *gather_kept(k_BSKD, v_BSKD, positions_BKC))
 
 
-def kept_positions(listed_BKS, *, capacity):
-  """int32 [B, Hkv, capacity]: listed positions ascending, then PAD_POSITION (see KeptList)."""
+def kept_list_and_counts(listed_BKS, *, capacity, block_qs, padded_query_len, query_offset,
+                         window_size):
+  """(positions `[B, Hkv, capacity]`, one `entries_per_query_tile` count array per query tile
+  size in block_qs): what the kernels need besides q, k, v, from one prefix count."""
+  listed_before_BKS = listed_before(listed_BKS)
+  positions_BKC = kept_positions(listed_BKS, listed_before_BKS, capacity=capacity)
+  counts = tuple(
+      entries_per_query_tile(listed_before_BKS, block_q=block_q,
+                             num_q_tiles=padded_query_len // block_q, query_offset=query_offset,
+                             window_size=window_size)
+      for block_q in block_qs)
+  return positions_BKC, counts
+
+
+def kept_positions(listed_BKS, listed_before_BKS, *, capacity):
+  """int32 [B, Hkv, capacity]: listed positions ascending, then PAD_POSITION (see KeptList).
+
+  listed_before_BKS: `listed_before(listed_BKS)`.
+  """
   batch, num_kv_heads, key_len = listed_BKS.shape
   if capacity < key_len:
     raise ValueError(f"kept_positions: capacity {capacity} < key length {key_len}")
@@ -64,8 +81,7 @@ def kept_positions(listed_BKS, *, capacity):
   # of the rows (the first version) is O(S log^2 S) on the GPU in ~100 launches at S = 16384 and
   # was the part of the LTE prefill that grew with S (docs/benchmarks.md, session 6). Unlisted keys
   # get distinct out-of-bounds slots, so the indices really are unique.
-  slot_BKS = listed_before(listed_BKS) - 1
-  slot_BKS = jnp.where(listed_BKS, slot_BKS, capacity + key_pos_S)
+  slot_BKS = jnp.where(listed_BKS, listed_before_BKS - 1, capacity + key_pos_S)
   batch_B11 = jnp.arange(batch, dtype=jnp.int32)[:, None, None]
   head_1K1 = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
   positions_BKC = jnp.full((batch, num_kv_heads, capacity), PAD_POSITION, jnp.int32)
@@ -89,7 +105,8 @@ def gather_kept(k_BSKD, v_BSKD, positions_BKC):
   return k_BCKD, v_BCKD
 
 
-def entries_per_query_tile(listed_BKS, *, block_q, num_q_tiles, query_offset, window_size):
+def entries_per_query_tile(listed_before_BKS, *, block_q, num_q_tiles, query_offset,
+                           window_size):
   """int32 [B, Hkv, num_q_tiles]: how many list entries any query of each tile can see.
 
   Query tile t holds positions up to query_offset + (t + 1) * block_q - 1; an entry is outside that
@@ -97,9 +114,10 @@ def entries_per_query_tile(listed_BKS, *, block_q, num_q_tiles, query_offset, wi
   position order, so these entries are a prefix whose length is the prefix count of listed keys
   at that position (one lookup per tile; a binary search of the list per tile, the first
   version, took ~0.2 ms of a B8 T4096 prefill as a loop of small XLA ops).
+  listed_before_BKS: `listed_before` of the listed keys.
   """
-  key_len = listed_BKS.shape[-1]
+  key_len = listed_before_BKS.shape[-1]
   last_pos_T = query_offset + (jnp.arange(num_q_tiles, dtype=jnp.int32) + 1) * block_q - 1
   threshold_T = last_pos_T - window_size
-  counts_BKT = jnp.take(listed_before(listed_BKS), jnp.clip(threshold_T, 0, key_len - 1), axis=-1)
+  counts_BKT = jnp.take(listed_before_BKS, jnp.clip(threshold_T, 0, key_len - 1), axis=-1)
   return jnp.where(threshold_T >= 0, counts_BKT, 0)

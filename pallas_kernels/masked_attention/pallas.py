@@ -67,13 +67,11 @@ def _attention_core_bwd(problem, blocks, residuals, do):
     # The kept dk/dv kernel reads the entries' k/v as a list (gathered here when the forward read
     # them by position); their gradients go back through the gather's transpose (a scatter-add
     # that drops padding entries).
-    (kept_k, kept_v), gather_transpose = jax.vjp(
-        lambda k, v: compaction.gather_kept(k, v, kept.positions_BKC), k, v)
-    if kept.k_BCKD is not None:
-      kept_k, kept_v = kept.k_BCKD, kept.v_BCKD
-    dk_kept, dv_kept = backward_dkdv_kept(
-        problem, blocks, q, do, lse, delta,
-        compaction.KeptList(kept.positions_BKC, kept_k, kept_v))
+    gather = lambda k, v: compaction.gather_kept(k, v, kept.positions_BKC)
+    gather_transpose = jax.linear_transpose(gather, k, v)
+    if kept.k_BCKD is None:
+      kept = compaction.KeptList(kept.positions_BKC, *gather(k, v))
+    dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept)
     dk_add, dv_add = gather_transpose((dk_kept.astype(k.dtype), dv_kept.astype(v.dtype)))
     dk, dv = dk + dk_add.astype(jnp.float32), dv + dv_add.astype(jnp.float32)
   return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
@@ -149,14 +147,13 @@ def masked_attention(
     listed_BKS = compaction.listed_keys(
         batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
         kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)
+    positions_BKC, (counts_fwd, counts_dq) = compaction.kept_list_and_counts(
+        listed_BKS, capacity=padded_key_len,
+        block_qs=(block_sizes.block_q, block_sizes.block_q_dq),
+        padded_query_len=padded_query_len, query_offset=key_len - query_len,
+        window_size=window_size)
     # Positions only: the K/V copies, where the kernels use them, are gathered in the
     # differentiated forward (_attention_core_fwd).
-    kept = compaction.KeptList(
-        compaction.kept_positions(listed_BKS, capacity=padded_key_len), None, None)
-    counts_fwd, counts_dq = (
-        compaction.entries_per_query_tile(
-            listed_BKS, block_q=block_q, num_q_tiles=padded_query_len // block_q,
-            query_offset=key_len - query_len, window_size=window_size)
-        for block_q in (block_sizes.block_q, block_sizes.block_q_dq))
+    kept = compaction.KeptList(positions_BKC, None, None)
   o = _attention_core(problem, block_sizes, q, k, v, key_valid, kept, counts_fwd, counts_dq)
   return o[:, :query_len]

@@ -177,8 +177,8 @@ def test_kept_list_is_sorted_and_counts_follow_the_window():
       batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
       kept_BSK=jnp.asarray(kept), key_valid_BS=jnp.asarray(key_valid))
   listed = compaction.build_kept_list(k, k, listed_BKS, capacity=40)
-  counts = compaction.entries_per_query_tile(listed_BKS, block_q=8, num_q_tiles=5,
-                                             query_offset=0, window_size=window)
+  counts = compaction.entries_per_query_tile(compaction.listed_before(listed_BKS), block_q=8,
+                                             num_q_tiles=5, query_offset=0, window_size=window)
   for b in range(batch):
     for h in range(num_kv_heads):
       expected = [j for j in range(key_len)
