@@ -73,6 +73,7 @@ def log(record: dict, results: list, out_dir: str | None):
   print(json.dumps(record), flush=True)
   results.append(record)
   if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "compare_fla.json"), "w") as f:
       json.dump(results, f, indent=1)
 
