@@ -10,8 +10,8 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    Pallas chunk scan alone; our numbers are printed before FLA runs (its first call per shape
    autotunes for minutes).
 2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
-   `--sweep-prep`: the opt-in preparation kernels' forward (pallas_prepare.PrepareConfig) next
-   to the default XLA preparation's.
+   `--sweep-prep`: the preparation kernels' forward (the plain forward's default) by launch
+   config (pallas_prepare.PrepareConfig), next to the XLA preparation's.
 3. a tiny GDN model (`gdn-tiny`, bf16) trains a few steps with the Pallas kernel and with the XLA
    reference from the same initial weights and batches; the losses must agree within the bf16
    tolerance (2e-2 relative).
@@ -135,8 +135,8 @@ def ours(config: ChunkConfig):
 
 def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
   """Jitted preparation (step a): forward, and forward + backward (cotangents = the outputs).
-  fused=False: the default (XLA + the Pallas inverse); True: the Pallas kernels (forward; their
-  gradient is the XLA preparation's)."""
+  fused=False: XLA + the Pallas inverse (what is differentiated); True: the Pallas kernels (the
+  plain forward's default; their gradient is the XLA preparation's)."""
   def forward(q, k, v, g, beta):
     if fused:
       return prepare_chunks(q, k, v, g, beta, None, True, 64, config)
@@ -209,11 +209,13 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
   record["ours_fwdbwd_output_inside_pass_ms"] = median_ms(
       inside_fwd_bwd, jax_sets_bwd, warmup=warmup, repeats=repeats, sync=sync_jax)
   # Our pieces: the preparation (forward; forward + backward), the chunk inverse inside it
-  # (forward, by launch width) and the Pallas scan alone. The opt-in fused preparation is timed
-  # by --sweep-prep.
+  # (forward, by launch width) and the Pallas scan alone; the preparation kernels' forward (the
+  # plain forward's default) next to the XLA preparation's (still the one differentiated).
   prep, prep_fwd_bwd = prep_fns()
   record["ours_prep_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
                                          sync=sync_jax)
+  record["ours_prep_kernels_fwd_ms"] = median_ms(prep_fns(fused=True)[0], jax_sets,
+                                                 warmup=warmup, repeats=repeats, sync=sync_jax)
   record["ours_prep_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
                                             repeats=repeats, sync=sync_jax)
   record.update(prep_pieces_ms(jax_sets, warmup=warmup, repeats=repeats))
@@ -303,8 +305,8 @@ def sweep_shape(shape, args, results):
 
 
 def sweep_prep_shape(shape, args, results):
-  """Times the opt-in preparation kernels' plain forward for several launch configs, next to the
-  default XLA preparation's forward."""
+  """Times the preparation kernels' plain forward for several launch configs, next to the XLA
+  preparation's forward."""
   batch, seq_len, heads, dim = shape
   sets = [make_inputs(seed, *shape) for seed in (0, 1)]
   jax_sets = [[s[n] for n in ("q", "k", "v", "g", "beta")] for s in sets]

@@ -98,7 +98,7 @@ case "$stage" in
       --only "SWA-1024" "LTE train (" "LTE prefill (" --json "$out/attention.json"
     ;;
   prep)
-    # The opt-in per-chunk preparation kernels' forward next to the XLA preparation at every
+    # The per-chunk preparation kernels' forward (the plain forward's default) next to the XLA preparation at every
     # shape (launch configs of pallas_prepare.PrepareConfig), then the GDN against FLA at
     # B4 T4096 H64, the shape the preparation limits most (session 6).
     step 280 python3 tools/compare_fla.py --quick --sweep-prep --sweep-shapes 3,0,1,2 --no-fla \

@@ -46,12 +46,12 @@ class ChunkConfig:
   state_pass: launch parameters of the Pallas chunk-scan kernels ("pallas" only); None picks
     them by head size (`pallas_state_pass.default_state_config`).
   fused_prepare: "pallas" only: the plain forward prepares the chunks with Pallas kernels per
-    chunk instead of XLA around the Pallas inverse; gradients are the same either way (opt-in
-    until measured on a GPU; see pallas.py).
+    chunk (the default; faster at every shape measured, see pallas.py); False runs XLA around
+    the Pallas inverse. Gradients are the same either way.
   """
   chunk_size: int = 64
   state_pass: StatePassConfig | None = None
-  fused_prepare: bool = False
+  fused_prepare: bool = True
 
   def __post_init__(self):
     if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) \

@@ -44,28 +44,26 @@ from pallas_kernels.gated_delta_rule.xla_prepare import (
     uses_exact_matmuls,
 )
 
-__all__ = ["PrepareConfig", "default_prepare_config", "next_power_of_two", "prepare_chunks",
+__all__ = ["PrepareConfig", "next_power_of_two", "prepare_chunks",
            "uses_exact_matmuls"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PrepareConfig:
-  """Triton launch parameters of the two per-chunk kernels (the inverse uses one warp)."""
-  num_warps: int = 4
-  num_stages: int = 1
+  """Triton launch parameters of the two per-chunk kernels (the inverse uses one warp).
+
+  Defaults: the fastest of warps 2/4/8 x stages 1/2 at 3 of the 4 shapes of issue 6 on one H100
+  (session 7, docs/benchmarks.md); at B4 T4096 H64 one stage measured 2% faster (2.64 / 2.70 ms).
+  4 warps spill at K = 256 (3.45 against 1.34 ms) and 2 warps everywhere (up to 20x slower).
+  """
+  num_warps: int = 8
+  num_stages: int = 2
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PrepareConfig.{field.name} must be a positive int, got {value!r}")
-
-
-def default_prepare_config(padded_key_dim: int) -> PrepareConfig:
-  """K = 256: [C, 256] float32 tiles are 64 KiB each, so spread them over 8 warps (not measured)."""
-  if padded_key_dim <= 128:
-    return PrepareConfig()
-  return PrepareConfig(num_warps=8)
 
 
 def _specs(q, v, chunk_size):
@@ -130,7 +128,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm: bool, chunk_size: int
   pad_t = num_chunks * chunk_size - seq_len
   padded_k, padded_v = next_power_of_two(key_dim), next_power_of_two(value_dim)
   if config is None:
-    config = default_prepare_config(padded_k)
+    config = PrepareConfig()
 
   def pad(x, width):
     if pad_t == 0 and width == x.shape[-1]:

@@ -141,14 +141,14 @@ def backward_dkdv_window(problem: Problem, blocks: BlockSizes, q, k, v, do, lse,
 def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, kept):
   """float32 (dk, dv) [B, C, Hkv, D] of the kept-list entries, from out-of-window pairs only.
 
-  With blocks.kept_query_tiles_per_program = n > 0, each entry tile is split over programs of n
-  query tiles each (more parallelism for few, long-lived entries; float32 atomics); 0 gives one
-  program per entry tile.
+  With n = blocks.kept_split(...) > 0, each entry tile is split over programs of n query tiles
+  each (more parallelism for few, long-lived entries; float32 atomics); 0 gives one program per
+  entry tile.
   """
   batch = q.shape[0]
   block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
   capacity = kept.positions_BKC.shape[-1]
-  per_program = blocks.kept_query_tiles_per_program
+  per_program = blocks.kept_split(problem.padded_query_len)
   chunks = pl.cdiv(problem.padded_query_len // block_q, per_program) if per_program else 1
   rows, stats = _per_kv_head_specs(problem)
   entry_tile = pl.BlockSpec((None, block_k, None, problem.head_dim),

@@ -35,9 +35,12 @@ class BlockSizes:
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
   # Kept-list dk/dv: query tiles per program (0: one program per list tile, deterministic; n > 0:
-  # float32 atomics). Both measured the same LTE fwd+bwd on one H200 (9.01 vs 9.09 ms), so the
-  # deterministic one is the default.
-  kept_query_tiles_per_program: int = 0
+  # each list tile split over programs of n query tiles that add with float32 atomics, so the
+  # sums' order varies between runs; None: `kept_split`). A list tile's program walks every later
+  # query tile, so at long T few long programs leave most of the GPU idle: LTE fwd+bwd on one H100
+  # (session 6) without / with a split of 8: B8 T4096 4.26 / 4.26 ms, B4 T8192 5.00 / 4.89 and
+  # 4.90 / 4.96, B2 T16384 5.93 / 5.41 and 5.97 / 5.40.
+  kept_query_tiles_per_program: int | None = None
   # Forward only: one program runs the Hq / Hkv query heads that share a KV head (rows = block_q
   # positions x group heads), so each K/V tile is loaded once per group instead of once per head.
   # block_q then counts query positions, not rows. Needs a power-of-two group (else unpacked).
@@ -58,10 +61,20 @@ class BlockSizes:
         continue
       if field.name.startswith("block") and (not _is_power_of_two(value) or value < 16):
         raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 16, got {value}")
-      if field.name == "kept_query_tiles_per_program" and value < 0:
-        raise ValueError(f"BlockSizes.{field.name} must be >= 0, got {value}")
+      if field.name == "kept_query_tiles_per_program":
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+          raise ValueError(f"BlockSizes.{field.name} must be None or an int >= 0, got {value!r}")
+        continue
       if not field.name.startswith("block") and not field.name.startswith("kept") and value <= 0:
         raise ValueError(f"BlockSizes.{field.name} must be positive, got {value}")
+
+  def kept_split(self, padded_query_len: int) -> int:
+    """Query tiles per program of the kept-list dk/dv kernel: the field, or when None, 8 from
+    16384 queries on (the deterministic 0 below, where the split measured within noise)."""
+    if self.kept_query_tiles_per_program is not None:
+      return self.kept_query_tiles_per_program
+    return 8 if padded_query_len >= 16384 else 0
 
   @property
   def query_multiple(self) -> int:

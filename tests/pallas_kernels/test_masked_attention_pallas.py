@@ -262,3 +262,15 @@ def test_gpu_default_implementation_matches_reference(window_size, num_sinks):
   _check_against_reference(fn, dtype=jnp.bfloat16, batch=1, query_len=300, key_len=300,
                            num_q_heads=4, num_kv_heads=2, head_dim=64, window_size=window_size,
                            num_sinks=num_sinks, use_kept=False)
+
+
+def test_kept_split_defaults_to_atomics_only_at_long_queries():
+  assert BlockSizes().kept_split(8192) == 0
+  assert BlockSizes().kept_split(16384) == 8
+  assert BlockSizes(kept_query_tiles_per_program=0).kept_split(65536) == 0
+  assert BlockSizes(kept_query_tiles_per_program=3).kept_split(64) == 3
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="kept_query_tiles_per_program"):
+      BlockSizes(kept_query_tiles_per_program=bad)
+  with pytest.raises(ValueError, match="block_q"):
+    BlockSizes(block_q=48)
