@@ -4,8 +4,10 @@ training step through the Pallas kernels vs the XLA reference (issue 5).
     python tools/bench_attention.py            # B8 T4096, B4 T8192, B2 T16384 (Hq32 Hkv8 D64 bf16)
     python tools/bench_attention.py --quick    # B8 T4096 only
 
-Timed (medians of --iters calls after --warmup, three rotating input sets; jitted JAX calls around
-jax.block_until_ready, FLA around torch.cuda.synchronize):
+Timed: each JAX variant in alternation with its anchor (`paired_ms`: --iters rounds of one pass
+over three input sets each, after --warmup; the ratio is of the two medians, so both see the same
+GPU clocks); the anchors alone and FLA as medians of --iters single calls (FLA around
+torch.cuda.synchronize):
   ours SWA-1024; ours LTE training (window 769 keys, 4 sinks, 256 kept columns per KV head at
   random positions); ours LTE prefill forward (window 769 + 256 kept keys = a half-full 512-slot
   cache, with and without a key-padding mask); ours full causal; cuDNN SWA-1024 and causal through
@@ -85,6 +87,26 @@ def median_ms(fn, arg_sets, *, warmup, iters, sync=jax.block_until_ready):
     sync(fn(*args))
     times.append(time.perf_counter() - start)
   return 1e3 * statistics.median(times)
+
+
+def paired_ms(fn, anchor_fn, arg_sets, *, warmup, rounds):
+  """(fn's ms, anchor_fn's ms) per call: medians over `rounds` rounds that each time one pass of
+  the anchor and one of fn over every input set (back-to-back calls, one sync per pass).
+
+  Alternating puts both under the same GPU clocks: timed apart, the same kernel read up to ~15%
+  differently within one run on an H100 (session 6), enough to flip a ratio target.
+  """
+  for i in range(warmup):
+    for f in (anchor_fn, fn):
+      jax.block_until_ready(f(*arg_sets[i % len(arg_sets)]))
+  times = {fn: [], anchor_fn: []}
+  for _ in range(rounds):
+    for f in (anchor_fn, fn):
+      start = time.perf_counter()
+      outputs = [f(*args) for args in arg_sets]
+      jax.block_until_ready(outputs)
+      times[f].append((time.perf_counter() - start) / len(arg_sets))
+  return 1e3 * statistics.median(times[fn]), 1e3 * statistics.median(times[anchor_fn])
 
 
 def run_for_seconds(fn, arg_sets, *, seconds: float) -> None:
@@ -173,10 +195,20 @@ def fwd_and_bwd(attn):
   return jax.jit(run)
 
 
-def record(results, key, ms, anchor):
-  results[key] = (ms, anchor)
-  anchor_ms = results.get((key[0], anchor, key[2]), (float("nan"),))[0]
-  print(f"  {' | '.join(key)} | {ms:.3f} ms | {ms / anchor_ms:.2f}x {anchor}", flush=True)
+def anchor_ms_of(results, key):
+  """The anchor time a result's ratio uses: its own paired one, else the anchor's separate run."""
+  ms, anchor, *paired = results[key]
+  if paired:
+    return paired[0]
+  return results.get((key[0], anchor, key[2]), (float("nan"),))[0]
+
+
+def record(results, key, ms, anchor, paired_anchor_ms=None):
+  """Stores (ms, anchor name[, the anchor's ms timed in alternation with this one])."""
+  results[key] = (ms, anchor) if paired_anchor_ms is None else (ms, anchor, paired_anchor_ms)
+  anchor_ms = anchor_ms_of(results, key)
+  paired = "" if paired_anchor_ms is None else f" (paired: {anchor_ms:.3f} ms)"
+  print(f"  {' | '.join(key)} | {ms:.3f} ms | {ms / anchor_ms:.2f}x {anchor}{paired}", flush=True)
 
 
 def bench_jax(batch, length, args, results):
@@ -214,17 +246,24 @@ def bench_jax(batch, length, args, results):
         modes[name] = modes.get(name, ()) + (tag,)
   # Sustained load first: without it the first variant timed (the anchor) measured up to ~10%
   # slow on one H100 while the clocks ramped up (session 6), which flattered every ratio.
-  anchor_fwd_bwd = fwd_and_bwd(jax_variants()["cuDNN SWA-1024"][0])
-  run_for_seconds(anchor_fwd_bwd, bwd_sets, seconds=args.warmup_s)
+  anchor_fns = {}
+  for anchor_name in {anchor for _, anchor in variants.values()}:
+    anchor_attn = jax_variants()[anchor_name][0]
+    anchor_fns[anchor_name] = {"fwd": jax.jit(anchor_attn), "fwd+bwd": fwd_and_bwd(anchor_attn)}
+  run_for_seconds(anchor_fns["cuDNN SWA-1024"]["fwd+bwd"], bwd_sets, seconds=args.warmup_s)
   for name, (attn, anchor) in variants.items():
     try:
-      if "fwd" in modes[name]:
-        record(results, (shape, name, "fwd"),
-               median_ms(jax.jit(attn), fwd_sets, warmup=args.warmup, iters=args.iters), anchor)
-      if "fwd+bwd" in modes[name] and not any(word in name for word in FORWARD_ONLY):
-        record(results, (shape, name, "fwd+bwd"),
-               median_ms(fwd_and_bwd(attn), bwd_sets, warmup=args.warmup, iters=args.iters),
-               anchor)
+      for mode, make, sets in (("fwd", jax.jit, fwd_sets), ("fwd+bwd", fwd_and_bwd, bwd_sets)):
+        if mode not in modes[name] or (mode == "fwd+bwd"
+                                       and any(word in name for word in FORWARD_ONLY)):
+          continue
+        if name == anchor:  # the anchor alone, as before (and for variants without pairing)
+          record(results, (shape, name, mode),
+                 median_ms(make(attn), sets, warmup=args.warmup, iters=args.iters), anchor)
+          continue
+        ms, anchor_ms = paired_ms(make(attn), anchor_fns[anchor][mode], sets,
+                                  warmup=args.warmup, rounds=args.iters)
+        record(results, (shape, name, mode), ms, anchor, anchor_ms)
     except Exception as error:  # pylint: disable=broad-except
       # One failing variant must not hide the others' numbers in a single GPU run.
       print(f"  {shape} {name}: FAILED {str(error)[:2000]}", flush=True)
@@ -334,11 +373,12 @@ def tiny_model_check():
 def write_json(path, results, argv) -> None:
   """{"device", "command", "timings": [{batch, length, kernel, mode, ms, anchor, ratio}]}."""
   timings = []
-  for (shape, name, mode), (ms, anchor) in results.items():
+  for key, (ms, anchor, *_) in results.items():
+    shape, name, mode = key
     batch, length = (int(part[1:]) for part in shape.split())  # "B8 T4096"
-    anchor_ms = results.get((shape, anchor, mode), (float("nan"),))[0]
+    anchor_ms = anchor_ms_of(results, key)
     timings.append({"batch": batch, "length": length, "kernel": name, "mode": mode, "ms": ms,
-                    "anchor": anchor, "ratio": ms / anchor_ms})
+                    "anchor": anchor, "anchor_ms": anchor_ms, "ratio": ms / anchor_ms})
   payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "command": "python tools/bench_attention.py " + " ".join(
                  sys.argv[1:] if argv is None else argv), "timings": timings}
@@ -387,8 +427,9 @@ def main(argv=None) -> int:
       lines.append(f"{check.__name__} FAILED: {str(error)[:2000]}")
       print(lines[-1], flush=True)
   print("\n| shape | kernel | mode | ms | vs anchor |\n| --- | --- | --- | --- | --- |")
-  for (shape, name, mode), (ms, anchor) in results.items():
-    anchor_ms = results.get((shape, anchor, mode), (float("nan"),))[0]
+  for key, (ms, anchor, *_) in results.items():
+    shape, name, mode = key
+    anchor_ms = anchor_ms_of(results, key)
     print(f"| {shape} | {name} | {mode} | {ms:.3f} | {ms / anchor_ms:.2f}x {anchor} |")
   print("\n" + "\n".join(lines))
   if args.json:
