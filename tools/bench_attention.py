@@ -126,8 +126,8 @@ def random_kept(key, batch, length, num_kv_heads, count):
 
 
 def kept_list_alone(q, k, v, kept, key_valid):
-  """What masked_attention computes in XLA before the LTE prefill kernel (no key padding mask),
-  plus the kept K/V copies that a differentiated call gathers."""
+  """What masked_attention computes in XLA before the LTE prefill kernel (no key padding mask):
+  the list's positions and the per-tile counts (the prefill reads K/V by position, no copies)."""
   del key_valid
   batch, length, num_kv_heads, _ = k.shape
   listed = compaction.listed_keys(batch=batch, key_len=length, num_kv_heads=num_kv_heads,
@@ -135,7 +135,7 @@ def kept_list_alone(q, k, v, kept, key_valid):
   positions, counts = compaction.kept_list_and_counts(
       listed, capacity=length, block_qs=(BlockSizes().block_q,), padded_query_len=q.shape[1],
       query_offset=0, window_size=LTE_WINDOW_KEYS)
-  return positions, compaction.gather_kept(k, v, positions), counts
+  return positions, counts
 
 
 def jax_variants(block_sizes=None):
@@ -162,11 +162,18 @@ def jax_variants(block_sizes=None):
       "ours SWA-1024": (ours(window_size=SWA_WINDOW), "cuDNN SWA-1024"),
       "ours LTE train (769 + 4 sinks + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
-      # One program per kept-list tile (the default) leaves few programs busy at long T (B x Hkv
-      # x kept tiles: 256 at B8 T4096, 64 at B2 T16384, each walking every query tile): the
-      # atomic split trades determinism for parallelism there.
-      "ours LTE train, kept dk/dv with atomics (8 query tiles/program)": (
+      # The kept-list dk/dv both ways (the default picks by length, BlockSizes.kept_split): one
+      # program per list tile leaves few programs busy at long T (B x Hkv x real list tiles: 256
+      # at B8 T4096, 64 at B2 T16384, each walking every later query tile); the split runs one
+      # program per chunk of 8 query tiles and adds with atomics.
+      "ours LTE train (769 + 4 sinks + 256 kept), kept dk/dv per list tile": (
+          ours_blocks(BlockSizes(kept_query_tiles_per_program=0), True,
+                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
+      "ours LTE train (769 + 4 sinks + 256 kept), kept dk/dv split 8": (
           ours_blocks(BlockSizes(kept_query_tiles_per_program=8), True,
+                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
+      "ours LTE train (769 + 4 sinks + 256 kept), kept dk/dv split 4": (
+          ours_blocks(BlockSizes(kept_query_tiles_per_program=4), True,
                       window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill (769 + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),

@@ -33,7 +33,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
+def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq,
+                    counts_dkv):
   # Not differentiated (prefill, evaluation): the forward that writes no logsumexp, reading the
   # kept list's keys/values from k/v by position (no copies; measured 3-5% faster at B8 T4096 to
   # B2 T16384 than gathered copies, docs/benchmarks.md, session 6).
@@ -50,14 +51,15 @@ def _with_copies(problem, kept, k, v):
                              *compaction.gather_kept(k, v, kept.positions_BKC))
 
 
-def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq):
+def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq,
+                        counts_dkv):
   kept = _with_copies(problem, kept, k, v)
   o, lse = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
-  return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, o, lse)
+  return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, counts_dkv, o, lse)
 
 
 def _attention_core_bwd(problem, blocks, residuals, do):
-  q, k, v, key_valid, kept, counts_fwd, counts_dq, o, lse = residuals
+  q, k, v, key_valid, kept, counts_fwd, counts_dq, counts_dkv, o, lse = residuals
   # delta_i = sum_d o_id do_id = sum_j p_ij dp_ij: the softmax-gradient row term.
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
   do = do.astype(q.dtype)
@@ -71,10 +73,11 @@ def _attention_core_bwd(problem, blocks, residuals, do):
     gather_transpose = jax.linear_transpose(gather, k, v)
     if kept.k_BCKD is None:
       kept = compaction.KeptList(kept.positions_BKC, *gather(k, v))
-    dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept)
+    dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept,
+                                          counts_dkv)
     dk_add, dv_add = gather_transpose((dk_kept.astype(k.dtype), dv_kept.astype(v.dtype)))
     dk, dv = dk + dk_add.astype(jnp.float32), dv + dv_add.astype(jnp.float32)
-  return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
+  return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None)
 
 
 _attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
@@ -142,18 +145,19 @@ def masked_attention(
   key_valid = None
   if key_valid_BS is not None:
     key_valid = jnp.pad(key_valid_BS.astype(jnp.int32), ((0, 0), (0, padded_key_len - key_len)))
-  kept = counts_fwd = counts_dq = None
+  kept = counts_fwd = counts_dq = counts_dkv = None
   if has_kept_list:
     listed_BKS = compaction.listed_keys(
         batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
         kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)
-    positions_BKC, (counts_fwd, counts_dq) = compaction.kept_list_and_counts(
+    positions_BKC, (counts_fwd, counts_dq, counts_dkv) = compaction.kept_list_and_counts(
         listed_BKS, capacity=padded_key_len,
-        block_qs=(block_sizes.block_q, block_sizes.block_q_dq),
+        block_qs=(block_sizes.block_q, block_sizes.block_q_dq, block_sizes.block_q_dkv),
         padded_query_len=padded_query_len, query_offset=key_len - query_len,
         window_size=window_size)
     # Positions only: the K/V copies, where the kernels use them, are gathered in the
     # differentiated forward (_attention_core_fwd).
     kept = compaction.KeptList(positions_BKC, None, None)
-  o = _attention_core(problem, block_sizes, q, k, v, key_valid, kept, counts_fwd, counts_dq)
+  o = _attention_core(problem, block_sizes, q, k, v, key_valid, kept, counts_fwd, counts_dq,
+                      counts_dkv)
   return o[:, :query_len]

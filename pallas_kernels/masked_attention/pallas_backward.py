@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.masked_attention.pallas_forward import (
     LOG2_E, compiler_params, dot_nt, dot_tn)
 from pallas_kernels.masked_attention.tiling import (
-    BlockSizes, Problem, kept_mask, query_tiles_of_key_tile, window_mask)
+    BlockSizes, Problem, cdiv, kept_mask, query_tiles_of_key_tile, window_mask)
 
 
 def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head, carry, q_tile,
@@ -67,19 +67,15 @@ def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   dv_ref[...] = dv
 
 
-def _dkdv_kept_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, pos_ref, *refs,
-                      problem: Problem, block_q: int, block_k: int, query_tiles_per_program: int):
-  k, v, entry_pos = k_ref[...], v_ref[...], pos_ref[...]
-  num_q_tiles = problem.padded_query_len // block_q
+def _kept_tile_dkdv(problem, block_q, refs, entry_slice, first, end):
+  """(dk, dv) of the list entries in entry_slice from query tiles [first, end), all G heads;
+  query tiles earlier than the oldest entry's leaving its window are skipped."""
+  q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, pos_ref = refs
+  k, v, entry_pos = k_ref[entry_slice, :], v_ref[entry_slice, :], pos_ref[entry_slice]
   # Sorted list: the first entry is the oldest, so it is the first to leave the windows. Padding
   # entries have a huge position, which gives an empty loop.
   first_row = jnp.maximum(jnp.min(entry_pos) + problem.window_size - problem.query_offset, 0)
-  first = jnp.minimum(first_row // block_q, num_q_tiles)
-  end = num_q_tiles
-  if query_tiles_per_program:  # this program covers one chunk of the query tiles
-    chunk = pl.program_id(0) % pl.cdiv(num_q_tiles, query_tiles_per_program)
-    first = jnp.maximum(first, chunk * query_tiles_per_program)
-    end = jnp.minimum(end, (chunk + 1) * query_tiles_per_program)
+  first = jnp.maximum(first, jnp.minimum(first_row // block_q, end))
   mask_fn = lambda query_pos: kept_mask(problem, query_pos, entry_pos)
   carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   for head in range(problem.group):
@@ -87,21 +83,36 @@ def _dkdv_kept_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, pos_ref, 
                              delta_ref, head)
     carry = lax.fori_loop(first, end, lambda t, c: step(c, t, mask_fn), carry)
   dk, dv = carry
-  if not query_tiles_per_program:
-    dk_ref, dv_ref = refs
-    dk_ref[...] = dk * problem.scale
-    dv_ref[...] = dv
-    return
-  # Several programs add into the same entries: atomics into zero-initialised buffers, skipped
-  # by the (many) programs that had nothing to add.
-  _, _, dk_ref, dv_ref = refs
-  entry_slice = (pl.ds((pl.program_id(0) // pl.cdiv(num_q_tiles, query_tiles_per_program))
-                       * block_k, block_k), slice(None))
+  return dk * problem.scale, dv
 
-  @pl.when(end > first)
-  def _():
-    pltriton.atomic_add(dk_ref, entry_slice, dk * problem.scale)
-    pltriton.atomic_add(dv_ref, entry_slice, dv)
+
+def _dkdv_kept_tile_kernel(*refs, problem: Problem, block_q: int, block_k: int):
+  """Grid (list tile, batch, KV head): one list tile against every later query tile."""
+  dk_ref, dv_ref = refs[-2:]
+  num_q_tiles = problem.padded_query_len // block_q
+  entry_slice = pl.ds(pl.program_id(0) * block_k, block_k)
+  dk_ref[...], dv_ref[...] = _kept_tile_dkdv(problem, block_q, refs[:7], entry_slice, 0,
+                                             num_q_tiles)
+
+
+def _dkdv_kept_split_kernel(*refs, problem: Problem, block_q: int, block_k: int,
+                            query_tiles_per_program: int):
+  """Grid (query chunk, batch, KV head): every list tile that the chunk's queries see, against
+  the chunk's query tiles, added into zero-initialised outputs with float32 atomics."""
+  count_ref = refs[7]  # list entries the chunk's last query tile sees (a prefix of the list)
+  dk_ref, dv_ref = refs[-2:]
+  num_q_tiles = problem.padded_query_len // block_q
+  first = pl.program_id(0) * query_tiles_per_program
+  end = jnp.minimum(first + query_tiles_per_program, num_q_tiles)
+
+  def list_tile(j, _):
+    entry_slice = pl.ds(j * block_k, block_k)
+    dk, dv = _kept_tile_dkdv(problem, block_q, refs[:7], entry_slice, first, end)
+    pltriton.atomic_add(dk_ref, (entry_slice, slice(None)), dk)
+    pltriton.atomic_add(dv_ref, (entry_slice, slice(None)), dv)
+    return _
+
+  lax.fori_loop(0, cdiv(count_ref[0], block_k), list_tile, 0)
 
 
 def _per_kv_head_specs(problem: Problem):
@@ -138,40 +149,57 @@ def backward_dkdv_window(problem: Problem, blocks: BlockSizes, q, k, v, do, lse,
   )(*inputs)
 
 
-def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, kept):
+def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, kept,
+                       counts):
   """float32 (dk, dv) [B, C, Hkv, D] of the kept-list entries, from out-of-window pairs only.
 
-  With n = blocks.kept_split(...) > 0, each entry tile is split over programs of n query tiles
-  each (more parallelism for few, long-lived entries; float32 atomics); 0 gives one program per
-  entry tile.
+  counts: `compaction.entries_per_query_tile` for block_q_dkv query tiles, [B, Hkv, tiles].
+  With n = blocks.kept_split(...) == 0, one program per list tile walks every later query tile
+  (deterministic; most programs hold padding entries and exit at once). With n > 0, one program
+  per chunk of n query tiles loops over the list tiles those queries see (float32 atomics add
+  the chunks up): more parallelism for few, long-lived entries, and no programs for the padding.
   """
   batch = q.shape[0]
   block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
   capacity = kept.positions_BKC.shape[-1]
+  num_q_tiles = problem.padded_query_len // block_q
   per_program = blocks.kept_split(problem.padded_query_len)
-  chunks = pl.cdiv(problem.padded_query_len // block_q, per_program) if per_program else 1
   rows, stats = _per_kv_head_specs(problem)
-  entry_tile = pl.BlockSpec((None, block_k, None, problem.head_dim),
-                            lambda j, b, h: (b, j // chunks, h, 0))
-  pos_tile = pl.BlockSpec((None, None, block_k), lambda j, b, h: (b, h, j // chunks))
   out_shape = jax.ShapeDtypeStruct(kept.k_BCKD.shape, jnp.float32)
-  in_specs = [rows, rows, stats, stats, entry_tile, entry_tile, pos_tile]
   inputs = [q, do, lse, delta, kept.k_BCKD, kept.v_BCKD, kept.positions_BKC]
-  out_specs, aliases = [entry_tile, entry_tile], {}
-  if per_program:
-    whole = pl.BlockSpec((None, capacity, None, problem.head_dim), lambda j, b, h: (b, 0, h, 0))
-    in_specs += [whole, whole]
-    inputs += [jnp.zeros(out_shape.shape, jnp.float32)] * 2
-    out_specs, aliases = [whole, whole], {len(inputs) - 2: 0, len(inputs) - 1: 1}
+  if not per_program:
+    entry_tile = pl.BlockSpec((None, block_k, None, problem.head_dim), lambda j, b, h: (b, j, h, 0))
+    return pl.pallas_call(
+        functools.partial(_dkdv_kept_tile_kernel, problem=problem, block_q=block_q,
+                          block_k=block_k),
+        grid=(capacity // block_k, batch, problem.num_kv_heads),
+        in_specs=[rows, rows, stats, stats, entry_tile, entry_tile,
+                  pl.BlockSpec((None, None, block_k), lambda j, b, h: (b, h, j))],
+        out_specs=[entry_tile, entry_tile],
+        out_shape=[out_shape, out_shape],
+        compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+        interpret=problem.interpret,
+        name="masked_attention_dkdv_kept",
+    )(*inputs)
+  chunks = pl.cdiv(num_q_tiles, per_program)
+  num_kv_heads = problem.num_kv_heads
+  whole = pl.BlockSpec((None, capacity, None, problem.head_dim), lambda c, b, h: (b, 0, h, 0))
+  # The chunk's last query tile's count, from the flattened [B, Hkv, tiles] counts.
+  count_spec = pl.BlockSpec((1,), lambda c, b, h: (
+      (b * num_kv_heads + h) * num_q_tiles
+      + jnp.minimum((c + 1) * per_program, num_q_tiles) - 1,))
+  zeros = jnp.zeros(out_shape.shape, jnp.float32)
   return pl.pallas_call(
-      functools.partial(_dkdv_kept_kernel, problem=problem, block_q=block_q, block_k=block_k,
-                        query_tiles_per_program=per_program),
-      grid=(capacity // block_k * chunks, batch, problem.num_kv_heads),
-      in_specs=in_specs,
-      out_specs=out_specs,
+      functools.partial(_dkdv_kept_split_kernel, problem=problem, block_q=block_q,
+                        block_k=block_k, query_tiles_per_program=per_program),
+      grid=(chunks, batch, num_kv_heads),
+      in_specs=[rows, rows, stats, stats, whole, whole,
+                pl.BlockSpec((None, None, capacity), lambda c, b, h: (b, h, 0)),
+                count_spec, whole, whole],
+      out_specs=[whole, whole],
       out_shape=[out_shape, out_shape],
-      input_output_aliases=aliases,
+      input_output_aliases={8: 0, 9: 1},
       compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
       interpret=problem.interpret,
-      name="masked_attention_dkdv_kept",
-  )(*inputs)
+      name="masked_attention_dkdv_kept_split",
+  )(*inputs, counts.reshape(-1), zeros, zeros)

@@ -79,6 +79,11 @@ CASES = {
     "lte_wide_window_one_program_per_list_tile": (jnp.float32, dict(
         query_len=77, key_len=77, window_size=40,
         blocks=dataclasses.replace(TINY_BLOCKS, kept_query_tiles_per_program=0))),
+    # Query chunks of 3 tiles over 5 tiles: a short last chunk, and list tiles that a chunk
+    # sees only in part.
+    "lte_split_three_query_tiles_per_program": (jnp.float32, dict(
+        query_len=77, key_len=77, window_size=20, num_sinks=1,
+        blocks=dataclasses.replace(TINY_BLOCKS, kept_query_tiles_per_program=3))),
     "causal": (jnp.float32, dict(window_size=None, use_kept=False)),
     "prefill_padded_t_lt_s": (jnp.float32, dict(batch=2, query_len=30, key_len=77,
                                                 window_size=20, num_sinks=2, padded=True)),
