@@ -220,6 +220,10 @@ GPU_CASES.update({
         batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
         window_size=129, num_sinks=4, blocks=BlockSizes(
             pack_gqa=True, block_q=32, block_k=64, gather_kept_in_kernel=True))),
+    # The split kept-list dk/dv (the default from 16K queries): 16 query tiles in chunks of 3.
+    "lte_bf16_kept_split": (jnp.bfloat16, dict(
+        batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
+        window_size=129, num_sinks=4, blocks=BlockSizes(kept_query_tiles_per_program=3))),
     "prefill_padded_bf16_packed": (jnp.bfloat16, dict(
         batch=2, query_len=500, key_len=500, num_q_heads=8, num_kv_heads=2, head_dim=64,
         window_size=65, padded=True, blocks=BlockSizes(pack_gqa=True, block_q=16, block_k=64))),
