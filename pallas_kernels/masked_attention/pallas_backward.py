@@ -89,9 +89,9 @@ def _kept_tile_dkdv(problem, block_q, refs, entry_slice, first, end):
 def _dkdv_kept_tile_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   """Grid (list tile, batch, KV head): one list tile against every later query tile."""
   dk_ref, dv_ref = refs[-2:]
+  del block_k  # the BlockSpecs select the program's list tile
   num_q_tiles = problem.padded_query_len // block_q
-  entry_slice = pl.ds(pl.program_id(0) * block_k, block_k)
-  dk_ref[...], dv_ref[...] = _kept_tile_dkdv(problem, block_q, refs[:7], entry_slice, 0,
+  dk_ref[...], dv_ref[...] = _kept_tile_dkdv(problem, block_q, refs[:7], slice(None), 0,
                                              num_q_tiles)
 
 

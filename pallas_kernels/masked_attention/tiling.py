@@ -35,11 +35,12 @@ class BlockSizes:
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
   # Kept-list dk/dv: query tiles per program (0: one program per list tile, deterministic; n > 0:
-  # each list tile split over programs of n query tiles that add with float32 atomics, so the
-  # sums' order varies between runs; None: `kept_split`). A list tile's program walks every later
-  # query tile, so at long T few long programs leave most of the GPU idle: LTE fwd+bwd on one H100
-  # (session 6) without / with a split of 8: B8 T4096 4.26 / 4.26 ms, B4 T8192 5.00 / 4.89 and
-  # 4.90 / 4.96, B2 T16384 5.93 / 5.41 and 5.97 / 5.40.
+  # one program per chunk of n query tiles, looping over the list tiles it sees, the chunks added
+  # with float32 atomics, so the sums' order varies between runs; None: `kept_split`). A list
+  # tile's program walks every later query tile, so at long T a few long programs leave most of
+  # the GPU idle. LTE fwd+bwd on one H100 (session 7, paired with cuDNN), per list tile / split 8
+  # / split 4: B8 T4096 4.12 / 4.07 / 4.06 ms, B4 T8192 4.75 / 4.27 / 4.25, B2 T16384 5.86 /
+  # 4.37 / 4.38.
   kept_query_tiles_per_program: int | None = None
   # Forward only: one program runs the Hq / Hkv query heads that share a KV head (rows = block_q
   # positions x group heads), so each K/V tile is loaded once per group instead of once per head.
@@ -71,10 +72,10 @@ class BlockSizes:
 
   def kept_split(self, padded_query_len: int) -> int:
     """Query tiles per program of the kept-list dk/dv kernel: the field, or when None, 8 from
-    16384 queries on (the deterministic 0 below, where the split measured within noise)."""
+    8192 queries on (below, the deterministic 0: the split measured within 1%)."""
     if self.kept_query_tiles_per_program is not None:
       return self.kept_query_tiles_per_program
-    return 8 if padded_query_len >= 16384 else 0
+    return 8 if padded_query_len >= 8192 else 0
 
   @property
   def query_multiple(self) -> int:

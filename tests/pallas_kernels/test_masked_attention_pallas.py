@@ -53,10 +53,12 @@ def _outputs_and_grads(attention_fn, q, k, v, do, **kwargs):
 
 def _check_against_reference(pallas_fn, *, dtype, batch=1, query_len=50, key_len=50,
                              num_q_heads=4, num_kv_heads=2, head_dim=16, window_size=7,
-                             num_sinks=0, use_kept=True, padded=False, seed=0, factor=1.0):
+                             num_sinks=0, use_kept=True, padded=False, seed=0, factor=1.0,
+                             kept_fraction=0.2):
   q, k, v, do, kept, key_valid = _inputs(
       seed, batch=batch, query_len=query_len, key_len=key_len, num_q_heads=num_q_heads,
-      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, padded=padded)
+      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, padded=padded,
+      kept_fraction=kept_fraction)
   kwargs = dict(window_size=window_size, num_sinks=num_sinks,
                 kept_BSK=kept if use_kept else None, key_valid_BS=key_valid)
   actual = _outputs_and_grads(pallas_fn, q, k, v, do, **kwargs)
@@ -77,12 +79,12 @@ CASES = {
     # name: (dtype, overrides)
     "lte_sinks_kept": (jnp.float32, dict(window_size=7, num_sinks=2)),
     "lte_wide_window_one_program_per_list_tile": (jnp.float32, dict(
-        query_len=77, key_len=77, window_size=40,
+        query_len=77, key_len=77, window_size=40, kept_fraction=0.4,
         blocks=dataclasses.replace(TINY_BLOCKS, kept_query_tiles_per_program=0))),
     # Query chunks of 3 tiles over 5 tiles: a short last chunk, and list tiles that a chunk
     # sees only in part.
     "lte_split_three_query_tiles_per_program": (jnp.float32, dict(
-        query_len=77, key_len=77, window_size=20, num_sinks=1,
+        query_len=77, key_len=77, window_size=20, num_sinks=1, kept_fraction=0.4,
         blocks=dataclasses.replace(TINY_BLOCKS, kept_query_tiles_per_program=3))),
     "causal": (jnp.float32, dict(window_size=None, use_kept=False)),
     "prefill_padded_t_lt_s": (jnp.float32, dict(batch=2, query_len=30, key_len=77,
@@ -220,7 +222,7 @@ GPU_CASES.update({
         batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
         window_size=129, num_sinks=4, blocks=BlockSizes(
             pack_gqa=True, block_q=32, block_k=64, gather_kept_in_kernel=True))),
-    # The split kept-list dk/dv (the default from 16K queries): 16 query tiles in chunks of 3.
+    # The split kept-list dk/dv (the default from 8K queries): 16 query tiles in chunks of 3.
     "lte_bf16_kept_split": (jnp.bfloat16, dict(
         batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
         window_size=129, num_sinks=4, blocks=BlockSizes(kept_query_tiles_per_program=3))),
@@ -274,8 +276,8 @@ def test_gpu_default_implementation_matches_reference(window_size, num_sinks):
 
 
 def test_kept_split_defaults_to_atomics_only_at_long_queries():
-  assert BlockSizes().kept_split(8192) == 0
-  assert BlockSizes().kept_split(16384) == 8
+  assert BlockSizes().kept_split(4096) == 0
+  assert BlockSizes().kept_split(8192) == 8
   assert BlockSizes(kept_query_tiles_per_program=0).kept_split(65536) == 0
   assert BlockSizes(kept_query_tiles_per_program=3).kept_split(64) == 3
   for bad in (-1, 1.5, True):
