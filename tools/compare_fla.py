@@ -65,8 +65,7 @@ SWEEP_CONFIGS = ((32, 4, 1, False), (32, 4, 1, True), (16, 4, 1, True), (32, 8, 
 # Launch widths of the chunk inverse timed at every shape.
 INVERSE_WARPS = (1, 2, 4)
 # (num_warps, num_stages) of the per-chunk preparation kernels tried by --sweep-prep.
-# (num_warps, num_stages, fused_wy_warps) of pallas_prepare.PrepareConfig
-PREP_SWEEP_CONFIGS = ((8, 2, 0), (8, 1, 0), (8, 2, 1), (8, 2, 2), (4, 2, 1), (8, 2, 4))
+PREP_SWEEP_CONFIGS = ((4, 1), (8, 1), (4, 2), (8, 2), (2, 1))
 
 
 def log(record: dict, results: list, out_dir: str | None):
@@ -315,11 +314,10 @@ def sweep_prep_shape(shape, args, results):
   timed = lambda fn: median_ms(fn, jax_sets, warmup=2, repeats=10, sync=jax.block_until_ready)
   log({"sweep": "prep", "shape": name, "config": "xla", "fwd_ms": timed(prep_fns()[0])},
       results, args.out)
-  for warps, stages, fused_wy_warps in PREP_SWEEP_CONFIGS:
-    record = {"sweep": "prep", "shape": name, "config": [warps, stages, fused_wy_warps]}
+  for warps, stages in PREP_SWEEP_CONFIGS:
+    record = {"sweep": "prep", "shape": name, "config": [warps, stages]}
     try:
-      record["fwd_ms"] = timed(prep_fns(PrepareConfig(num_warps=warps, num_stages=stages,
-                                                      fused_wy_warps=fused_wy_warps),
+      record["fwd_ms"] = timed(prep_fns(PrepareConfig(num_warps=warps, num_stages=stages),
                                         fused=True)[0])
     except Exception as error:  # pylint: disable=broad-except
       record["fwd_ms"] = f"failed: {type(error).__name__}: {str(error)[:200]}"

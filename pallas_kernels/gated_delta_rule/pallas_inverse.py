@@ -18,15 +18,13 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
 
-__all__ = ["BLOCK", "inverse_blocks", "inverse_forward", "unit_lower_inverse"]
+__all__ = ["inverse_forward", "unit_lower_inverse"]
 
 
 BLOCK = 16  # rows of the diagonal blocks inverted by substitution (Triton's smallest dot tile)
 
 
-def inverse_blocks(a_ref, size):
-  """X = (I + A)^-1 of the [size, size] float32 ref a_ref (strictly lower A) as 16 x 16 blocks:
-  {(r, c): X_rc for r >= c} (the blocks above the diagonal are zero)."""
+def _inverse_kernel(a_ref, x_ref, *, size):
   # Blockwise, as FLA's solve_tril and reference.unit_lower_inverse: the C/16 diagonal 16 x 16
   # blocks by forward substitution, all in the same 15-step loop (independent work per step), then
   # the blocks below the diagonal from X_rc = -X_rr sum_{c<=m<r} A_rm X_mc (16 x 16 dots). Measured
@@ -61,13 +59,7 @@ def inverse_blocks(a_ref, size):
       for m in range(c + 1, r):
         total_BB += exact_dot(block(r, m), x[m, c])
       x[r, c] = -exact_dot(x[r, r], total_BB)
-  return x
-
-
-def _inverse_kernel(a_ref, x_ref, *, size):
-  x = inverse_blocks(a_ref, size)
   zeros_BB = jnp.zeros((BLOCK, BLOCK), jnp.float32)
-  num_blocks = size // BLOCK
   for r in range(num_blocks):
     for c in range(num_blocks):
       x_ref[pl.ds(r * BLOCK, BLOCK), pl.ds(c * BLOCK, BLOCK)] = x.get((r, c), zeros_BB).astype(

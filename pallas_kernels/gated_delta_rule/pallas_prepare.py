@@ -36,8 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
-from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
-    attention_kernel, inverse_wy_kernel, wy_kernel)
+from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import attention_kernel, wy_kernel
 from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
 from pallas_kernels.gated_delta_rule.xla_prepare import (
     next_power_of_two,
@@ -59,16 +58,12 @@ class PrepareConfig:
   """
   num_warps: int = 8
   num_stages: int = 2
-  # 0: the inverse writes X and `wy_kernel` reads it back; n > 0: one kernel of n warps inverts
-  # and forms w, u with X on chip (`inverse_wy_kernel`).
-  fused_wy_warps: int = 0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      low = 0 if field.name == "fused_wy_warps" else 1
-      if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"PrepareConfig.{field.name} must be an int >= {low}, got {value!r}")
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"PrepareConfig.{field.name} must be a positive int, got {value!r}")
 
 
 def _specs(q, v, chunk_size):
@@ -102,20 +97,6 @@ def _forward(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, exact, confi
                  head_major(key_dim, store_dtype), head_major(chunk_size, store_dtype)],
       name="gdn_prepare_attention",
   )(q, k, g, beta)
-  if config.fused_wy_warps:
-    w, u = pl.pallas_call(
-        functools.partial(inverse_wy_kernel, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                          exact=exact, column_block=min(64, key_dim, value_dim)),
-        grid=(padded_len // chunk_size, batch, heads),
-        in_specs=[specs["c"], specs["public_k"], specs["public_v"], specs["token"],
-                  specs["token"]],
-        out_specs=[specs["k"], specs["v"]],
-        out_shape=[head_major(key_dim, store_dtype), head_major(value_dim, store_dtype)],
-        compiler_params=triton_compiler_params(config.fused_wy_warps, 1),
-        interpret=interpret(),
-        name="gdn_prepare_inverse_wy",
-    )(a, k, v, g, beta)
-    return w, u, kd, qg, p
   x = inverse_forward(a.reshape(-1, chunk_size, chunk_size)).reshape(a.shape)
   w, u = call(
       functools.partial(wy_kernel, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,

@@ -2,8 +2,7 @@
 
 Notation as in pallas_prepare.py (G = in-chunk cumulative log-decay, e = exp(G), Dm_ij =
 exp(G_i - G_j) on j <= i, X = (I + A)^-1). `attention_kernel` writes A and the outputs' inputs
-kd, qg, p; then either the chunk inverse (pallas_inverse.py) turns A into X in memory and
-`wy_kernel` writes w and u, or `inverse_wy_kernel` does both with X kept on chip in 16 x 16 blocks.
+kd, qg, p; the chunk inverse (pallas_inverse.py) turns A into X; `wy_kernel` writes w and u.
 Vectors `_C` are per token of the chunk; tiles `_CC` are [C, C] float32.
 """
 
@@ -12,13 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax.experimental import pallas as pl
-
-from pallas_kernels.gated_delta_rule.pallas_inverse import BLOCK, inverse_blocks
 from pallas_kernels.gated_delta_rule.pallas_state_pass import kernel_dot
 from pallas_kernels.gated_delta_rule.reference import L2NORM_EPS
 
-__all__ = ["attention_kernel", "inverse_wy_kernel", "wy_kernel"]
+__all__ = ["attention_kernel", "wy_kernel"]
 
 
 def _exact_dot(a, b):
@@ -91,44 +87,3 @@ def wy_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref, *, use_qk_l2no
   t_CC = x_ref[...] * beta_C[None, :]
   w_ref[...] = kernel_dot(t_CC * gamma_C[None, :], k_CK, exact=exact).astype(store_dtype)
   u_ref[...] = kernel_dot(t_CC, v_CV, exact=exact).astype(store_dtype)
-
-
-def inverse_wy_kernel(a_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *, use_qk_l2norm,
-                      chunk_size, exact, column_block):
-  """w and u as `wy_kernel` computes them, from A instead of X: the chunk inverse's 16 x 16
-  blocks (pallas_inverse.inverse_blocks) stay on chip and multiply 16-row blocks of k and v,
-  column_block columns at a time (one warp's registers hold [16, column_block] tiles)."""
-  store_dtype = w_ref.dtype
-  x = inverse_blocks(a_ref, chunk_size)
-  num_blocks = chunk_size // BLOCK
-  g_C = g_ref[...].astype(jnp.float32)
-  row_BC = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, chunk_size), 0)
-  col_BC = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, chunk_size), 1)
-  rows = [pl.ds(c * BLOCK, BLOCK) for c in range(num_blocks)]
-  key_dim, value_dim = k_ref.shape[-1], v_ref.shape[-1]
-  beta_B = [beta_ref[rows[c]].astype(jnp.float32) for c in range(num_blocks)]
-  # exp(G) of block c's tokens: sums of g over the chunk up to each token.
-  gamma_B = [jnp.exp(jnp.sum(jnp.where(col_BC <= c * BLOCK + row_BC, g_C[None, :], 0.0), axis=1))
-             for c in range(num_blocks)]
-  inv_norm_B = [None] * num_blocks
-  if use_qk_l2norm:
-    for c in range(num_blocks):
-      squares_B = sum(jnp.sum(jnp.square(k_ref[rows[c], pl.ds(col, column_block)].astype(
-          jnp.float32)), axis=1) for col in range(0, key_dim, column_block))
-      inv_norm_B[c] = jax.lax.rsqrt(squares_B + L2NORM_EPS)
-
-  def key_block(c, col):
-    k_BK = k_ref[rows[c], pl.ds(col, column_block)].astype(jnp.float32)
-    if use_qk_l2norm:
-      k_BK = k_BK * inv_norm_B[c][:, None]
-    return k_BK.astype(store_dtype)  # normalised, then rounded once (as attention_kernel)
-
-  value_block = lambda c, col: v_ref[rows[c], pl.ds(col, column_block)].astype(store_dtype)
-  for out_ref, dim, load, factor_B in (
-      (w_ref, key_dim, key_block, [b * e for b, e in zip(beta_B, gamma_B)]),
-      (u_ref, value_dim, value_block, beta_B)):
-    for r in range(num_blocks):
-      for col in range(0, dim, column_block):
-        acc_BK = sum(kernel_dot(x[r, c] * factor_B[c][None, :], load(c, col), exact=exact)
-                     for c in range(r + 1))
-        out_ref[rows[r], pl.ds(col, column_block)] = acc_BK.astype(store_dtype)

@@ -35,13 +35,12 @@ def _reference(q, k, v, g, beta, *, use_qk_l2norm, chunk_size):
                              use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)[:6]
 
 
-def _compare(dtype, *, seq_len, chunk_size, key_dim, value_dim, use_qk_l2norm, seed,
-             config=PrepareConfig()):
+def _compare(dtype, *, seq_len, chunk_size, key_dim, value_dim, use_qk_l2norm, seed):
   args = _inputs(seed, dtype, seq_len=seq_len, key_dim=key_dim, value_dim=value_dim,
                  use_qk_l2norm=use_qk_l2norm)
   kwargs = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
   kernels = lambda *x: prepare_chunks(*x, None, kwargs["use_qk_l2norm"], kwargs["chunk_size"],
-                                      config)
+                                      PrepareConfig())
   # The plain call runs the kernels; under jax.vjp the forward is the XLA preparation's (the
   # custom_vjp), so the outputs are checked from the plain call.
   actual = jax.jit(kernels)(*args)
@@ -78,22 +77,9 @@ def test_prepare_chunks_bf16_matches_xla():
            seed=21)
 
 
-@pytest.mark.parametrize("dtype,key_dim,value_dim,use_qk_l2norm", [
-    (jnp.float32, 24, 20, True),   # padded to 32 / 32: one column block of 32
-    (jnp.bfloat16, 32, 16, True),  # column blocks of 16: two for k, one for v
-    (jnp.float32, 16, 32, False),
-], ids=["float32_K24_V20_l2norm", "bf16_K32_V16_l2norm", "float32_K16_V32_raw"])
-def test_fused_inverse_wy_matches_xla(dtype, key_dim, value_dim, use_qk_l2norm):
-  # The inverse and w, u in one kernel (X on chip), against the XLA preparation.
-  _compare(dtype, seq_len=37, chunk_size=32, key_dim=key_dim, value_dim=value_dim,
-           use_qk_l2norm=use_qk_l2norm, seed=5 + key_dim, config=PrepareConfig(fused_wy_warps=1))
-
-
 def test_prepare_chunks_config_validates():
   with pytest.raises(ValueError, match="num_warps"):
     PrepareConfig(num_warps=0)
-  with pytest.raises(ValueError, match="fused_wy_warps"):
-    PrepareConfig(fused_wy_warps=-1)
   with pytest.raises(ValueError, match="chunk_size"):
     prepare_chunks(*_inputs(1, jnp.float32, seq_len=8, key_dim=16, value_dim=16,
                             use_qk_l2norm=True), None, True, 24)
@@ -107,13 +93,6 @@ def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim):
   # of it.
   _compare(dtype, seq_len=1000, chunk_size=64, key_dim=key_dim, value_dim=key_dim,
            use_qk_l2norm=True, seed=31)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("key_dim,fused_wy_warps", [(128, 1), (256, 1), (128, 2)])
-def test_fused_inverse_wy_on_gpu_matches_xla(key_dim, fused_wy_warps):
-  _compare(jnp.bfloat16, seq_len=1000, chunk_size=64, key_dim=key_dim, value_dim=key_dim,
-           use_qk_l2norm=True, seed=32, config=PrepareConfig(fused_wy_warps=fused_wy_warps))
 
 
 def test_fused_prepare_is_the_default_of_the_public_entry():
