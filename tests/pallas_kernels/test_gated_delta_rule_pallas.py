@@ -8,6 +8,8 @@ comparisons are those of test_gated_delta_rule.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,8 +33,9 @@ from tests.pallas_kernels.test_gated_delta_rule import (
 )
 
 # Two V-blocks per head (block_v 16 < V = 32), so the grid's V axis and the per-block state slices
-# are exercised, with the V-block axis first in the grid (the default config has it last).
-SPLIT_V = StatePassConfig(block_v=16, block_v_train=16, block_v_bwd=16, v_blocks_adjacent=True)
+# are exercised, with the V-block axis first in the grid (the default) and last.
+SPLIT_V = StatePassConfig(block_v=16, block_v_train=16, block_v_bwd=16)
+SPLIT_V_LAST = dataclasses.replace(SPLIT_V, v_blocks_adjacent=False)
 
 
 # T = 37 and 70 are not multiples of the chunk; K = 24 and V = 20 are not powers of two (padded);
@@ -40,10 +43,12 @@ SPLIT_V = StatePassConfig(block_v=16, block_v_train=16, block_v_bwd=16, v_blocks
 @pytest.mark.slow
 @pytest.mark.parametrize("seq_len,chunk_size,key_dim,value_dim,with_state,use_qk_l2norm,state", [
     (37, 16, 16, 32, True, False, SPLIT_V),
+    (37, 16, 16, 32, False, True, SPLIT_V_LAST),
     (70, 32, 32, 16, False, True, None),
     (37, 16, 24, 20, True, True, StatePassConfig(num_stages=1, num_stages_bwd=3,
                                                  separate_output_train=False)),
-], ids=["T37_C16_state_raw_splitV", "T70_C32_nostate_l2norm", "T37_C16_K24_V20_padded_o_in_pass"])
+], ids=["T37_C16_state_raw_splitV", "T37_C16_nostate_splitV_grid_last", "T70_C32_nostate_l2norm",
+        "T37_C16_K24_V20_padded_o_in_pass"])
 def test_chunk_pallas_float32_matches_float64_recurrence(seq_len, chunk_size, key_dim, value_dim,
                                                          with_state, use_qk_l2norm, state):
   inputs = round_to(make_inputs(100 + seq_len + key_dim, seq_len=seq_len, key_dim=key_dim,
