@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.masked_attention import (
-    compaction, masked_attention, pallas_kept_list, reference)
+from pallas_kernels.masked_attention import compaction, masked_attention, reference
 from pallas_kernels.masked_attention import pallas as attention_pallas
 from pallas_kernels.masked_attention.tiling import BlockSizes
 
@@ -135,8 +134,7 @@ def kept_list_alone(q, k, v, kept, key_valid):
                                   num_sinks=0, kept_BSK=kept, key_valid_BS=None)
   positions, counts = compaction.kept_list_and_counts(
       listed, capacity=length, block_qs=(BlockSizes().block_q,), padded_query_len=q.shape[1],
-      query_offset=0, window_size=LTE_WINDOW_KEYS,
-      compact_fn=functools.partial(pallas_kept_list.compact, interpret=False))
+      query_offset=0, window_size=LTE_WINDOW_KEYS)
   return positions, counts
 
 

@@ -49,24 +49,16 @@ def build_kept_list(k_BSKD, v_BSKD, listed_BKS, *, capacity) -> KeptList:
   k_BSKD/v_BSKD may be padded past the real key length S = listed_BKS.shape[-1]; keys at or
   beyond S are never listed. capacity must be >= S.
   """
-  positions_BKC, _ = compact(listed_BKS, capacity=capacity)
+  positions_BKC = kept_positions(listed_BKS, listed_before(listed_BKS), capacity=capacity)
   return KeptList(positions_BKC, *gather_kept(k_BSKD, v_BSKD, positions_BKC))
 
 
-def compact(listed_BKS, *, capacity):
-  """(positions `[B, Hkv, capacity]`, listed_before `[B, Hkv, S]`) in XLA."""
-  listed_before_BKS = listed_before(listed_BKS)
-  return kept_positions(listed_BKS, listed_before_BKS, capacity=capacity), listed_before_BKS
-
-
 def kept_list_and_counts(listed_BKS, *, capacity, block_qs, padded_query_len, query_offset,
-                         window_size, compact_fn=compact):
+                         window_size):
   """(positions `[B, Hkv, capacity]`, one `entries_per_query_tile` count array per query tile
-  size in block_qs): what the kernels need besides q, k, v, from one prefix count.
-
-  compact_fn: (listed_BKS, capacity=) -> `compact`'s pair (pallas_kept_list.compact on a GPU).
-  """
-  positions_BKC, listed_before_BKS = compact_fn(listed_BKS, capacity=capacity)
+  size in block_qs): what the kernels need besides q, k, v, from one prefix count."""
+  listed_before_BKS = listed_before(listed_BKS)
+  positions_BKC = kept_positions(listed_BKS, listed_before_BKS, capacity=capacity)
   counts = tuple(
       entries_per_query_tile(listed_before_BKS, block_q=block_q,
                              num_q_tiles=padded_query_len // block_q, query_offset=query_offset,

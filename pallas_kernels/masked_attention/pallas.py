@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.masked_attention import compaction, pallas_kept_list
+from pallas_kernels.masked_attention import compaction
 from pallas_kernels.masked_attention.pallas_backward import (
     backward_dkdv_kept, backward_dkdv_window)
 from pallas_kernels.masked_attention.pallas_forward import backward_dq, forward
@@ -154,8 +154,7 @@ def masked_attention(
         listed_BKS, capacity=padded_key_len,
         block_qs=(block_sizes.block_q, block_sizes.block_q_dq, block_sizes.block_q_dkv),
         padded_query_len=padded_query_len, query_offset=key_len - query_len,
-        window_size=window_size,
-        compact_fn=functools.partial(pallas_kept_list.compact, interpret=interpret))
+        window_size=window_size)
     # Positions only: the K/V copies, where the kernels use them, are gathered in the
     # differentiated forward (_attention_core_fwd).
     kept = compaction.KeptList(positions_BKC, None, None)
