@@ -23,14 +23,13 @@ import json
 import dataclasses
 import functools
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.benchmarking import Timed, median_ms, paired_ms, run_for_seconds
 from pallas_kernels.masked_attention import compaction, masked_attention, reference
 from pallas_kernels.masked_attention import pallas as attention_pallas
 from pallas_kernels.masked_attention.tiling import BlockSizes
@@ -75,47 +74,6 @@ SWEEP_BACKWARD = (
     BlockSizes(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages_bwd=3),
 )
 SWA_WINDOW, LTE_WINDOW_KEYS, LTE_SINKS, LTE_KEPT = 1024, 769, 4, 256
-
-
-def median_ms(fn, arg_sets, *, warmup, iters, sync=jax.block_until_ready):
-  for i in range(warmup):
-    sync(fn(*arg_sets[i % len(arg_sets)]))
-  times = []
-  for i in range(iters):
-    args = arg_sets[i % len(arg_sets)]
-    start = time.perf_counter()
-    sync(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
-
-
-def paired_ms(fn, anchor_fn, arg_sets, *, warmup, rounds):
-  """(fn's ms, anchor_fn's ms) per call: medians over `rounds` rounds that each time one pass of
-  the anchor and one of fn over every input set (back-to-back calls, one sync per pass).
-
-  Alternating puts both under the same GPU clocks: timed apart, the same kernel read up to ~15%
-  differently within one run on an H100 (session 6), enough to flip a ratio target.
-  """
-  for i in range(warmup):
-    for f in (anchor_fn, fn):
-      jax.block_until_ready(f(*arg_sets[i % len(arg_sets)]))
-  times = {fn: [], anchor_fn: []}
-  for _ in range(rounds):
-    for f in (anchor_fn, fn):
-      start = time.perf_counter()
-      outputs = [f(*args) for args in arg_sets]
-      jax.block_until_ready(outputs)
-      times[f].append((time.perf_counter() - start) / len(arg_sets))
-  return 1e3 * statistics.median(times[fn]), 1e3 * statistics.median(times[anchor_fn])
-
-
-def run_for_seconds(fn, arg_sets, *, seconds: float) -> None:
-  """Calls fn (cycling through arg_sets) until `seconds` of wall time have passed."""
-  end = time.perf_counter() + seconds
-  i = 0
-  while time.perf_counter() < end:
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    i += 1
 
 
 def random_kept(key, batch, length, num_kv_heads, count):
@@ -257,7 +215,7 @@ def bench_jax(batch, length, args, results):
   for anchor_name in {anchor for _, anchor in variants.values()}:
     anchor_attn = jax_variants()[anchor_name][0]
     anchor_fns[anchor_name] = {"fwd": jax.jit(anchor_attn), "fwd+bwd": fwd_and_bwd(anchor_attn)}
-  run_for_seconds(anchor_fns["cuDNN SWA-1024"]["fwd+bwd"], bwd_sets, seconds=args.warmup_s)
+  run_for_seconds(Timed(anchor_fns["cuDNN SWA-1024"]["fwd+bwd"], bwd_sets), seconds=args.warmup_s)
   for name, (attn, anchor) in variants.items():
     try:
       for mode, make, sets in (("fwd", jax.jit, fwd_sets), ("fwd+bwd", fwd_and_bwd, bwd_sets)):
@@ -266,9 +224,9 @@ def bench_jax(batch, length, args, results):
           continue
         if name == anchor:  # the anchor alone, as before (and for variants without pairing)
           record(results, (shape, name, mode),
-                 median_ms(make(attn), sets, warmup=args.warmup, iters=args.iters), anchor)
+                 median_ms(make(attn), sets, warmup=args.warmup, repeats=args.iters), anchor)
           continue
-        ms, anchor_ms = paired_ms(make(attn), anchor_fns[anchor][mode], sets,
+        ms, anchor_ms = paired_ms(Timed(make(attn), sets), Timed(anchor_fns[anchor][mode], sets),
                                   warmup=args.warmup, rounds=args.iters)
         record(results, (shape, name, mode), ms, anchor, anchor_ms)
     except Exception as error:  # pylint: disable=broad-except
@@ -300,9 +258,10 @@ def bench_fla(batch, length, args, results):
       return q.grad
 
     record(results, (shape, name, "fwd"), median_ms(
-        fwd, [a[:3] for a in arg_sets], warmup=args.warmup, iters=args.iters, sync=sync), anchor)
+        fwd, [a[:3] for a in arg_sets], warmup=args.warmup, repeats=args.iters, sync=sync),
+        anchor)
     record(results, (shape, name, "fwd+bwd"), median_ms(
-        fwd_bwd, arg_sets, warmup=args.warmup, iters=args.iters, sync=sync), anchor)
+        fwd_bwd, arg_sets, warmup=args.warmup, repeats=args.iters, sync=sync), anchor)
 
 
 def relative_error(actual, expected) -> float:
