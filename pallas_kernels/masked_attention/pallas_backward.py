@@ -86,10 +86,10 @@ def _kept_tile_dkdv(problem, block_q, refs, entry_slice, first, end):
   return dk * problem.scale, dv
 
 
-def _dkdv_kept_tile_kernel(*refs, problem: Problem, block_q: int, block_k: int):
-  """Grid (list tile, batch, KV head): one list tile against every later query tile."""
+def _dkdv_kept_tile_kernel(*refs, problem: Problem, block_q: int):
+  """Grid (list tile, batch, KV head): one list tile (selected by the BlockSpecs) against every
+  later query tile."""
   dk_ref, dv_ref = refs[-2:]
-  del block_k  # the BlockSpecs select the program's list tile
   num_q_tiles = problem.padded_query_len // block_q
   dk_ref[...], dv_ref[...] = _kept_tile_dkdv(problem, block_q, refs[:7], slice(None), 0,
                                              num_q_tiles)
@@ -105,12 +105,12 @@ def _dkdv_kept_split_kernel(*refs, problem: Problem, block_q: int, block_k: int,
   first = pl.program_id(0) * query_tiles_per_program
   end = jnp.minimum(first + query_tiles_per_program, num_q_tiles)
 
-  def list_tile(j, _):
+  def list_tile(j, carry):
     entry_slice = pl.ds(j * block_k, block_k)
     dk, dv = _kept_tile_dkdv(problem, block_q, refs[:7], entry_slice, first, end)
     pltriton.atomic_add(dk_ref, (entry_slice, slice(None)), dk)
     pltriton.atomic_add(dv_ref, (entry_slice, slice(None)), dv)
-    return _
+    return carry
 
   lax.fori_loop(0, cdiv(count_ref[0], block_k), list_tile, 0)
 
@@ -170,8 +170,7 @@ def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, 
   if not per_program:
     entry_tile = pl.BlockSpec((None, block_k, None, problem.head_dim), lambda j, b, h: (b, j, h, 0))
     return pl.pallas_call(
-        functools.partial(_dkdv_kept_tile_kernel, problem=problem, block_q=block_q,
-                          block_k=block_k),
+        functools.partial(_dkdv_kept_tile_kernel, problem=problem, block_q=block_q),
         grid=(capacity // block_k, batch, problem.num_kv_heads),
         in_specs=[rows, rows, stats, stats, entry_tile, entry_tile,
                   pl.BlockSpec((None, None, block_k), lambda j, b, h: (b, h, j))],
