@@ -12,7 +12,8 @@ bytes), bf16, through `decode_attention` with the ring-blank mask and per-(row, 
 
 Timing: `--sets` independent caches (more bytes than L2 holds, so every call reads HBM) are
 attended one after another inside one jitted function; time per call = median over `--repeats`
-of the wall time / sets, after warm-up (jax.block_until_ready + time.perf_counter). The fused LTE
+of the wall time / sets, after warm-up, each Pallas config in alternation with the copy
+(`pallas_kernels.benchmarking.paired_ms`), whose paired time gives that row's ratio. The fused LTE
 cache step (`evict_and_insert`) is timed as 32 steps in one jitted loop over a donated cache
 with a full OOW set, XLA vs Pallas; the prefill compaction (`compact_top_scores`, top-b of the
 T - W out-of-window tokens per row and KV head) at B8 T4096 and B2 T16384, XLA vs Pallas.
@@ -30,27 +31,20 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import get_model_config
+from pallas_kernels.benchmarking import Timed, median_ms, paired_ms
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 
 
 def median_seconds(fn, args, repeats: int, warmup: int = 3) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return median_ms(fn, [args], warmup=warmup, repeats=repeats) / 1e3
 
 
-def copy_bandwidth(repeats: int) -> float:
-  """GB/s of a jitted elementwise copy (read + write) of a 1 GiB bf16 array."""
+def copy_case():
+  """(Timed jitted elementwise copy of a 1 GiB bf16 array, bytes it reads + writes)."""
   x = jnp.ones((512, 1024, 1024), jnp.bfloat16)
   copy = jax.jit(lambda x: x + 1)  # `x + 0` could be simplified away by XLA
-  seconds = median_seconds(copy, (x,), repeats)
-  return 2 * x.size * x.dtype.itemsize / seconds / 1e9
+  return Timed(copy, [(x,)]), 2 * x.size * x.dtype.itemsize
 
 
 def lte_shapes(preset: str):
@@ -74,7 +68,9 @@ def attention_case(preset: str, batch: int, sets: int, key):
   return (qs, ks, vs, length, valid), moved
 
 
-def time_attention(inputs, implementation, block_sizes, repeats):
+def time_attention(inputs, implementation, block_sizes, repeats, copy=None):
+  """Seconds per decode call; with copy (`copy_case()[0]`), (that, seconds per copy) timed in
+  alternation (pallas_kernels.benchmarking.paired_ms)."""
   qs, ks, vs, length, valid = inputs
 
   @jax.jit
@@ -82,7 +78,11 @@ def time_attention(inputs, implementation, block_sizes, repeats):
     return [decode_attention(q, k, v, length_BK=length, key_valid=valid,
                              implementation=implementation, block_sizes=block_sizes)
             for q, k, v in zip(qs, ks, vs)]
-  return median_seconds(run_all, (qs, ks, vs, length, valid), repeats) / len(qs)
+  if copy is None:
+    return median_seconds(run_all, (qs, ks, vs, length, valid), repeats) / len(qs)
+  attention_ms, copy_ms = paired_ms(Timed(run_all, [(qs, ks, vs, length, valid)]), copy,
+                                    warmup=3, rounds=repeats)
+  return attention_ms / 1e3 / len(qs), copy_ms / 1e3
 
 
 def check_parity(inputs, window):
@@ -158,8 +158,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
 
   device = jax.devices()[0].device_kind
-  copy_gbs = copy_bandwidth(args.repeats)
-  print(f"device {device}; copy bandwidth (x + 1, 1 GiB bf16): {copy_gbs:.0f} GB/s")
+  copy, copy_bytes = copy_case()
+  copy_gbs = copy_bytes / median_seconds(copy.fn, copy.input_sets[0], args.repeats) / 1e9
+  print(f"device {device}; copy bandwidth (x + 1, 1 GiB bf16): {copy_gbs:.0f} GB/s (alone);"
+        " each row's ratio is to the copy timed in alternation with it")
   configs = [None]
   if args.sweep:
     configs += [DecodeBlockSizes(block_slots=n, num_splits=s, num_stages=st)
@@ -173,34 +175,34 @@ def main(argv=None) -> int:
                                  num_splits=s, num_warps=w) for s, w in ((4, 4), (8, 4), (8, 8))]
   results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": [],
              "compaction": []}
-  header = ("| cache | pallas config | us/call | GB/s | / copy | xla us/call | rel err vs xla |\n"
-            "|---|---|---|---|---|---|---|")
+  header = ("| cache | pallas config | us/call | GB/s | / copy | copy GB/s (paired) | xla us/call |"
+            " rel err vs xla |\n|---|---|---|---|---|---|---|---|")
   print(header)
   rows = []
   for preset in args.presets:
     inputs, moved = attention_case(preset, args.batch, args.sets, jax.random.key(0))
     error = check_parity(inputs, lte_shapes(preset)[3])
     xla_s = time_attention(inputs, "xla", None, args.repeats)
-    # One untimed pass of the default first: on one H100 the first config timed (the default)
-    # measured 0.58 of copy and the identical config timed later 0.68 (session 6), the clocks
-    # still ramping up.
-    time_attention(inputs, "pallas", None, args.repeats)
     for block_sizes in configs:
       label = "default" if block_sizes is None else (
           f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}"
           f" w{block_sizes.num_warps} kvh{block_sizes.kv_heads_per_program}")
       try:
-        seconds = time_attention(inputs, "pallas", block_sizes, args.repeats)
+        # In alternation with the copy: in session 6 the first config timed (the default) read
+        # 0.58 of a copy timed apart and the same config timed later 0.68, the clocks ramping up.
+        seconds, copy_s = time_attention(inputs, "pallas", block_sizes, args.repeats, copy)
       except Exception as error:  # pylint: disable=broad-except
         # One config that fails to compile (e.g. shared memory) must not hide the others.
         print(f"| {preset} B{args.batch} | {label} | FAILED {str(error)[:300]} |", flush=True)
         continue
-      gbs = moved / seconds / 1e9
+      gbs, paired_copy_gbs = moved / seconds / 1e9, copy_bytes / copy_s / 1e9
       results["attention"].append(dict(preset=preset, config=label, us=seconds * 1e6,
-                                       GBps=gbs, ratio=gbs / copy_gbs, xla_us=xla_s * 1e6,
+                                       GBps=gbs, ratio=gbs / paired_copy_gbs,
+                                       copy_GBps_paired=paired_copy_gbs, xla_us=xla_s * 1e6,
                                        parity_rel_err=error, bytes=moved))
       rows.append(f"| {preset} B{args.batch} | {label} | {seconds * 1e6:.1f} | {gbs:.0f} |"
-                  f" {gbs / copy_gbs:.2f} | {xla_s * 1e6:.1f} | {error:.1e} |")
+                  f" {gbs / paired_copy_gbs:.2f} | {paired_copy_gbs:.0f} | {xla_s * 1e6:.1f} |"
+                  f" {error:.1e} |")
       print(rows[-1], flush=True)
     for implementation in ("xla", "pallas"):
       seconds = time_cache_step(preset, args.batch, implementation, args.repeats)
