@@ -124,29 +124,44 @@ def _per_kv_head_specs(problem: Problem):
   return rows, stats
 
 
+def _dkdv_call(problem: Problem, blocks: BlockSizes, kernel, *, tiles: int, in_specs, out_spec,
+               out_shape, name: str, **kwargs):
+  """The pallas_call of a dk/dv kernel: grid (tiles, batch, KV head), outputs (dk, dv) float32 of
+  out_shape, both with out_spec; kwargs go to pl.pallas_call."""
+  shape = jax.ShapeDtypeStruct(out_shape, jnp.float32)
+  return pl.pallas_call(
+      kernel,
+      grid=(tiles, out_shape[0], problem.num_kv_heads),
+      in_specs=in_specs,
+      out_specs=[out_spec, out_spec],
+      out_shape=[shape, shape],
+      compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+      interpret=problem.interpret,
+      name=name,
+      **kwargs)
+
+
+def _key_tile_spec(problem: Problem, block_k: int):
+  """[block_k, D] of one (batch, KV head) at key (or list) tile j of the grid (j, b, h)."""
+  return pl.BlockSpec((None, block_k, None, problem.head_dim), lambda j, b, h: (b, j, h, 0))
+
+
 def backward_dkdv_window(problem: Problem, blocks: BlockSizes, q, k, v, do, lse, delta,
                          key_valid):
   """float32 (dk, dv) [B, Sp, Hkv, D] from the window (and causal) pairs."""
-  batch = q.shape[0]
   block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
   rows, stats = _per_kv_head_specs(problem)
-  key_tile = pl.BlockSpec((None, block_k, None, problem.head_dim), lambda j, b, h: (b, j, h, 0))
+  key_tile = _key_tile_spec(problem, block_k)
   in_specs = [rows, key_tile, key_tile, rows, stats, stats]
   inputs = [q, k, v, do, lse, delta]
   if key_valid is not None:
     in_specs.append(pl.BlockSpec((None, block_k), lambda j, b, h: (b, j)))
     inputs.append(key_valid)
-  out_shape = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-  return pl.pallas_call(
+  return _dkdv_call(
+      problem, blocks,
       functools.partial(_dkdv_window_kernel, problem=problem, block_q=block_q, block_k=block_k),
-      grid=(problem.padded_key_len // block_k, batch, problem.num_kv_heads),
-      in_specs=in_specs,
-      out_specs=[key_tile, key_tile],
-      out_shape=[out_shape, out_shape],
-      compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
-      interpret=problem.interpret,
-      name="masked_attention_dkdv_window",
-  )(*inputs)
+      tiles=problem.padded_key_len // block_k, in_specs=in_specs, out_spec=key_tile,
+      out_shape=k.shape, name="masked_attention_dkdv_window")(*inputs)
 
 
 def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, kept,
@@ -159,46 +174,36 @@ def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, 
   per chunk of n query tiles loops over the list tiles those queries see (float32 atomics add
   the chunks up): more parallelism for few, long-lived entries, and no programs for the padding.
   """
-  batch = q.shape[0]
   block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
   capacity = kept.positions_BKC.shape[-1]
   num_q_tiles = problem.padded_query_len // block_q
   per_program = blocks.kept_split(problem.padded_query_len)
   rows, stats = _per_kv_head_specs(problem)
-  out_shape = jax.ShapeDtypeStruct(kept.k_BCKD.shape, jnp.float32)
+  out_shape = kept.k_BCKD.shape
   inputs = [q, do, lse, delta, kept.k_BCKD, kept.v_BCKD, kept.positions_BKC]
   if not per_program:
-    entry_tile = pl.BlockSpec((None, block_k, None, problem.head_dim), lambda j, b, h: (b, j, h, 0))
-    return pl.pallas_call(
+    entry_tile = _key_tile_spec(problem, block_k)
+    return _dkdv_call(
+        problem, blocks,
         functools.partial(_dkdv_kept_tile_kernel, problem=problem, block_q=block_q),
-        grid=(capacity // block_k, batch, problem.num_kv_heads),
+        tiles=capacity // block_k,
         in_specs=[rows, rows, stats, stats, entry_tile, entry_tile,
                   pl.BlockSpec((None, None, block_k), lambda j, b, h: (b, h, j))],
-        out_specs=[entry_tile, entry_tile],
-        out_shape=[out_shape, out_shape],
-        compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
-        interpret=problem.interpret,
-        name="masked_attention_dkdv_kept",
-    )(*inputs)
-  chunks = pl.cdiv(num_q_tiles, per_program)
+        out_spec=entry_tile, out_shape=out_shape, name="masked_attention_dkdv_kept")(*inputs)
   num_kv_heads = problem.num_kv_heads
   whole = pl.BlockSpec((None, capacity, None, problem.head_dim), lambda c, b, h: (b, 0, h, 0))
   # The chunk's last query tile's count, from the flattened [B, Hkv, tiles] counts.
   count_spec = pl.BlockSpec((1,), lambda c, b, h: (
       (b * num_kv_heads + h) * num_q_tiles
       + jnp.minimum((c + 1) * per_program, num_q_tiles) - 1,))
-  zeros = jnp.zeros(out_shape.shape, jnp.float32)
-  return pl.pallas_call(
+  zeros = jnp.zeros(out_shape, jnp.float32)
+  return _dkdv_call(
+      problem, blocks,
       functools.partial(_dkdv_kept_split_kernel, problem=problem, block_q=block_q,
                         block_k=block_k, query_tiles_per_program=per_program),
-      grid=(chunks, batch, num_kv_heads),
+      tiles=pl.cdiv(num_q_tiles, per_program),
       in_specs=[rows, rows, stats, stats, whole, whole,
                 pl.BlockSpec((None, None, capacity), lambda c, b, h: (b, h, 0)),
                 count_spec, whole, whole],
-      out_specs=[whole, whole],
-      out_shape=[out_shape, out_shape],
-      input_output_aliases={8: 0, 9: 1},
-      compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
-      interpret=problem.interpret,
-      name="masked_attention_dkdv_kept_split",
-  )(*inputs, counts.reshape(-1), zeros, zeros)
+      out_spec=whole, out_shape=out_shape, name="masked_attention_dkdv_kept_split",
+      input_output_aliases={8: 0, 9: 1})(*inputs, counts.reshape(-1), zeros, zeros)
