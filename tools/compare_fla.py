@@ -11,7 +11,7 @@ One process, one GPU (docs/benchmarks.md, "GDN kernel", has the numbers and the 
    Pallas chunk scan alone; our numbers are printed before FLA runs (its first call per shape
    autotunes for minutes).
 2. `--sweep`: times the chunk-scan kernels alone under several launch configurations;
-   `--sweep-prep`: the preparation kernels' forward (the plain forward's default) by launch
+   `--sweep-prep`: the preparation kernels (the default) forward and forward + backward by launch
    config (pallas_prepare.PrepareConfig), next to the XLA preparation's.
 3. a tiny GDN model (`gdn-tiny`, bf16) trains a few steps with the Pallas kernel and with the XLA
    reference from the same initial weights and batches; the losses must agree within the bf16
@@ -65,7 +65,7 @@ SWEEP_CONFIGS = ((32, 4, 1, False), (32, 4, 1, True), (16, 4, 1, True), (32, 8, 
 # Launch widths of the chunk inverse timed at every shape.
 INVERSE_WARPS = (1, 2, 4)
 # (num_warps, num_stages) of the per-chunk preparation kernels tried by --sweep-prep.
-PREP_SWEEP_CONFIGS = ((4, 1), (8, 1), (4, 2), (8, 2), (2, 1))
+PREP_SWEEP_CONFIGS = ((4, 1), (8, 1), (8, 2), (16, 1))
 
 
 def log(record: dict, results: list, out_dir: str | None):
@@ -122,8 +122,8 @@ def ours(config: ChunkConfig):
 
 def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
   """Jitted preparation (step a): forward, and forward + backward (cotangents = the outputs).
-  fused=False: XLA + the Pallas inverse (what is differentiated); True: the Pallas kernels (the
-  plain forward's default; their gradient is the XLA preparation's)."""
+  fused=False: XLA + the Pallas inverse and XLA's autodiff; True: the Pallas kernels forward and
+  backward (the default, ChunkConfig.fused_prepare)."""
   def forward(q, k, v, g, beta):
     if fused:
       return prepare_chunks(q, k, v, g, beta, None, True, 64, config)
@@ -199,8 +199,8 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
   record["ours_fwdbwd_output_inside_pass_ms"] = median_ms(
       inside_fwd_bwd, jax_sets_bwd, warmup=warmup, repeats=repeats, sync=sync_jax)
   # Our pieces: the preparation (forward; forward + backward), the chunk inverse inside it
-  # (forward, by launch width) and the Pallas scan alone; the preparation kernels' forward (the
-  # plain forward's default) next to the XLA preparation's (still the one differentiated).
+  # (forward, by launch width) and the Pallas scan alone; the preparation kernels (the default)
+  # next to the XLA preparation with its autodiff.
   prep, prep_fwd_bwd = prep_fns()
   record["ours_prep_fwd_ms"] = median_ms(prep, jax_sets, warmup=warmup, repeats=repeats,
                                          sync=sync_jax)
@@ -208,6 +208,8 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
                                                  warmup=warmup, repeats=repeats, sync=sync_jax)
   record["ours_prep_fwdbwd_ms"] = median_ms(prep_fwd_bwd, jax_sets, warmup=warmup,
                                             repeats=repeats, sync=sync_jax)
+  record["ours_prep_kernels_fwdbwd_ms"] = median_ms(prep_fns(fused=True)[1], jax_sets,
+                                                    warmup=warmup, repeats=repeats, sync=sync_jax)
   record.update(prep_pieces_ms(jax_sets, warmup=warmup, repeats=repeats))
   num_matrices = batch * heads * -(-seq_len // 64)
   a_sets = [[jnp.tril(0.1 * jax.random.normal(jax.random.key(seed), (num_matrices, 64, 64)), -1)]
@@ -300,22 +302,24 @@ def sweep_shape(shape, args, results):
 
 
 def sweep_prep_shape(shape, args, results):
-  """Times the preparation kernels' plain forward for several launch configs, next to the XLA
-  preparation's forward."""
+  """Times the preparation kernels (forward; forward + backward) for several launch configs,
+  next to the XLA preparation with its autodiff."""
   batch, seq_len, heads, dim = shape
   sets = [make_inputs(seed, *shape) for seed in (0, 1)]
   jax_sets = [[s[n] for n in ("q", "k", "v", "g", "beta")] for s in sets]
   name = f"B{batch} T{seq_len} H{heads} K=V={dim}"
   timed = lambda fn: median_ms(fn, jax_sets, warmup=2, repeats=10, sync=jax.block_until_ready)
-  log({"sweep": "prep", "shape": name, "config": "xla", "fwd_ms": timed(prep_fns()[0])},
-      results, args.out)
+  xla_fwd, xla_fwd_bwd = prep_fns()
+  log({"sweep": "prep", "shape": name, "config": "xla", "fwd_ms": timed(xla_fwd),
+       "fwdbwd_ms": timed(xla_fwd_bwd)}, results, args.out)
   for warps, stages in PREP_SWEEP_CONFIGS:
     record = {"sweep": "prep", "shape": name, "config": [warps, stages]}
-    try:
-      record["fwd_ms"] = timed(prep_fns(PrepareConfig(num_warps=warps, num_stages=stages),
-                                        fused=True)[0])
-    except Exception as error:  # pylint: disable=broad-except
-      record["fwd_ms"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    fns = prep_fns(PrepareConfig(num_warps=warps, num_stages=stages), fused=True)
+    for key, fn in zip(("fwd_ms", "fwdbwd_ms"), fns):
+      try:
+        record[key] = timed(fn)
+      except Exception as error:  # pylint: disable=broad-except
+        record[key] = f"failed: {type(error).__name__}: {str(error)[:200]}"
     log(record, results, args.out)
 
 

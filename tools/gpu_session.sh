@@ -98,11 +98,12 @@ case "$stage" in
       --only "SWA-1024" "LTE train (" "LTE prefill (" --json "$out/attention.json"
     ;;
   prep)
-    # The per-chunk preparation kernels' forward (the plain forward's default) next to the XLA preparation at every
-    # shape (launch configs of pallas_prepare.PrepareConfig), then the GDN against FLA at
-    # B4 T4096 H64, the shape the preparation limits most (session 6).
-    step 280 python3 tools/compare_fla.py --quick --sweep-prep --sweep-shapes 3,0,1,2 --no-fla \
-      --no-train --shapes 3 --out "$out/sweep"
+    # The per-chunk preparation kernels (the default; forward and forward + backward) next to the
+    # XLA preparation at every shape (or SWEEP_SHAPES, e.g. "3,0"; launch configs of
+    # pallas_prepare.PrepareConfig), then the GDN against FLA at B4 T4096 H64, the shape the
+    # preparation limits most (session 6).
+    step 280 python3 tools/compare_fla.py --quick --sweep-prep --no-fla --no-train --shapes 3 \
+      --sweep-shapes "${SWEEP_SHAPES:-3,0,1,2}" --out "$out/sweep"
     step 250 python3 tools/compare_fla.py --quick --no-train --shapes 3 --out "$out/shape3"
     ;;
   gdn|gdn23)

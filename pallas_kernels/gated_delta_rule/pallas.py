@@ -5,17 +5,18 @@ Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
       inverse, pallas_inverse.py): l2norm, cumulative log-decay, A, T = (I + A)^-1,
       w = T diag(beta exp(G)) k, u = T diag(beta) v, kd = diag(exp(G_C - G)) k, a = exp(G_C); and
       the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i).
-      The plain forward runs (a) as Pallas kernels per chunk instead (pallas_prepare.py, the
-      default `fused_prepare=True`: no head-major copies, A and X the only [C, C] float32
-      tensors in memory); its gradient is still (a)'s. Measured forward of (a) alone on one
-      H100 (session 7), XLA / kernels ms: B4 T4096 H64 K=V=128 3.51 / 2.70, B8 T4096 H8
-      K=V=256 1.42 / 1.34, K=V=128 1.00 / 0.91, B1 T16384 H8 0.64 / 0.51;
+      By default (a) runs as Pallas kernels per chunk instead, forward and backward
+      (pallas_prepare.py, `fused_prepare=True`: no head-major copies, A and X the only [C, C]
+      float32 tensors in memory). Measured forward of (a) alone on one H100 (session 7), XLA /
+      kernels ms: B4 T4096 H64 K=V=128 3.51 / 2.70, B8 T4096 H8 K=V=256 1.42 / 1.34, K=V=128
+      1.00 / 0.91, B1 T16384 H8 0.64 / 0.51;
   (b) the sequential pass over chunks with the outputs fused in (Pallas, pallas_state_pass.py):
       v_new = u - w h, o = qg h + p v_new, h <- a h + kd^T v_new, keeping each program's state
       slice on chip (the per-chunk states never reach memory unless a gradient needs them).
-The gradient composes autodiff of (a) with the hand-written backwards of the Pallas pieces
-(`chunk_scan` and the inverse are custom_vjps). `prepare_scan_inputs` is also the reference the
-fused preparation kernels are tested against.
+The gradient composes the hand-written backwards of the Pallas pieces (`prepare_chunks` and
+`chunk_scan` are custom_vjps); with `fused_prepare=False`, autodiff of the XLA (a) (its inverse a
+custom_vjp). `prepare_scan_inputs` is also the reference the preparation kernels are tested
+against.
 
 Precision: float32 inputs use float32 everywhere at full precision (the float32 tolerance); bf16
 inputs keep float32 states, accumulation and inverse but feed the matmuls bf16 operands and store

@@ -14,11 +14,14 @@ layouts; the blockwise chunk inverse of pallas_inverse.py turns A into X; `wy_ke
 again and writes w, u. The XLA preparation runs the same steps as separate XLA programs over
 head-major copies of q, k, v, with every [C, C] intermediate in memory.
 
-This is the forward only: under differentiation `prepare_chunks` runs the XLA preparation and
-its autodiff (a custom_vjp), because a hand-written backward kernel of the fused preparation (the
-first version) measured 13.5 ms against ~4 ms for XLA's forward + backward on one H100 (B8 T4096
-H8 K=V=128, session 3). The chunk decay is one sum per chunk and stays in XLA (a Triton program
-cannot store one scalar).
+The backward mirrors this split (pallas_prepare_kernels.py): `wy_backward_kernel` takes the
+cotangents of w and u back through X (the forward's residual, float32) to A, and
+`attention_backward_kernel` adds those of kd, qg and p and runs the l2norm's backward, writing
+dq, dk, dv in the public layout. (A first hand-written backward, one fused kernel after an
+in-kernel row-by-row inverse, measured 13.5 ms against ~4 ms for XLA's forward + backward on one
+H100 at B8 T4096 H8 K=V=128, session 3; session 7 measured the XLA preparation's forward +
+autodiff at 9.2-9.7 ms of a 13.4-14.1 ms GDN forward + backward at B4 T4096 H64.) The chunk
+decay is one sum per chunk and stays in XLA (a Triton program cannot store one scalar).
 
 Precision as in pallas.py: float32 inputs use full-precision float32 dots; otherwise q, k, v and
 the outputs are bf16 with bf16 dot operands and float32 accumulation, while the decays, A and X
@@ -36,11 +39,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
-from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import attention_kernel, wy_kernel
+from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
+    attention_backward_kernel,
+    attention_kernel,
+    wy_backward_kernel,
+    wy_kernel,
+)
 from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
 from pallas_kernels.gated_delta_rule.xla_prepare import (
     next_power_of_two,
-    prepare_scan_inputs,
     uses_exact_matmuls,
 )
 
@@ -78,16 +85,14 @@ def _specs(q, v, chunk_size):
 
 
 def _forward(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, exact, config):
-  """w, u, kd, qg, p from padded q, k, v `[B,Tp,H,*]` and head-major g, beta `[B,H,Tp]`."""
+  """w, u, kd, qg, p and the inverse X (float32, the backward's residual) from padded q, k, v
+  `[B,Tp,H,*]` and head-major g, beta `[B,H,Tp]`."""
   batch, padded_len, heads, key_dim = q.shape
   value_dim = v.shape[-1]
   store_dtype = jnp.float32 if exact else jnp.bfloat16
   specs = _specs(q, v, chunk_size)
   head_major = lambda dim, dtype: jax.ShapeDtypeStruct((batch, heads, padded_len, dim), dtype)
-  call = functools.partial(pl.pallas_call, grid=(padded_len // chunk_size, batch, heads),
-                           compiler_params=triton_compiler_params(config.num_warps,
-                                                                  config.num_stages),
-                           interpret=interpret())
+  call = _launcher(padded_len, batch, heads, chunk_size, config)
   a, kd, qg, p = call(
       functools.partial(attention_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
                         chunk_size=chunk_size, exact=exact),
@@ -106,45 +111,137 @@ def _forward(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, exact, confi
       out_shape=[head_major(key_dim, store_dtype), head_major(value_dim, store_dtype)],
       name="gdn_prepare_wy",
   )(k, v, g, beta, x)
-  return w, u, kd, qg, p
+  return w, u, kd, qg, p, x
+
+
+def _backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, *, scale, use_qk_l2norm, chunk_size,
+              exact, config):
+  """dq, dk, dv `[B,Tp,H,*]` (the dtypes of q, k, v) and dg, dbeta `[B,H,Tp]` (float32; dg
+  without the chunk decay's term) from the forward's inputs, X and the cotangents of w, u, kd,
+  qg and p."""
+  batch, padded_len, heads, _ = q.shape
+  specs = _specs(q, v, chunk_size)
+  like = lambda x, dtype: jax.ShapeDtypeStruct(x.shape, dtype)
+  token = jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)
+  call = _launcher(padded_len, batch, heads, chunk_size, config)
+  # The partial dk crosses in float32: the l2norm's backward subtracts its projection on k,
+  # which would amplify a bf16 rounding of it.
+  dv, dk_wy, dbeta, dcum_wy = call(
+      functools.partial(wy_backward_kernel, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                        exact=exact),
+      in_specs=[specs["public_k"], specs["public_v"], specs["token"], specs["token"], specs["c"],
+                specs["k"], specs["v"]],
+      out_specs=[specs["public_v"], specs["public_k"], specs["token"], specs["token"]],
+      out_shape=[like(v, v.dtype), like(k, jnp.float32), token, token],
+      name="gdn_prepare_wy_backward",
+  )(k, v, g, beta, x, dw, du)
+  dq, dk, dg = call(
+      functools.partial(attention_backward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                        chunk_size=chunk_size, exact=exact),
+      in_specs=[specs["public_k"], specs["public_k"], specs["token"], specs["k"], specs["k"],
+                specs["c"], specs["public_k"], specs["token"]],
+      out_specs=[specs["public_k"], specs["public_k"], specs["token"]],
+      out_shape=[like(q, q.dtype), like(k, k.dtype), token],
+      name="gdn_prepare_attention_backward",
+  )(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy)
+  return dq, dk, dv, dg, dbeta
+
+
+def _launcher(padded_len, batch, heads, chunk_size, config):
+  """pallas_call over the grid (N, B, H) with the config's launch parameters."""
+  return functools.partial(pl.pallas_call, grid=(padded_len // chunk_size, batch, heads),
+                           compiler_params=triton_compiler_params(config.num_warps,
+                                                                  config.num_stages),
+                           interpret=interpret())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How the caller's q, k, v, g, beta become the kernels' inputs, and gradients go back."""
+  seq_len: int
+  chunk_size: int
+  padded_k: int
+  padded_v: int
+  scale: float
+
+  @classmethod
+  def of(cls, q, v, scale, chunk_size):
+    key_dim = q.shape[3]
+    return cls(seq_len=q.shape[1], chunk_size=chunk_size, padded_k=next_power_of_two(key_dim),
+               padded_v=next_power_of_two(v.shape[3]),
+               scale=float(key_dim ** -0.5 if scale is None else scale))
+
+  @property
+  def num_chunks(self):
+    return -(-self.seq_len // self.chunk_size)
+
+  @property
+  def pad_t(self):
+    return self.num_chunks * self.chunk_size - self.seq_len
+
+  def padded(self, q, k, v):
+    """q, k, v `[B,T,H,D]` zero-padded to `[B,Tp,H,Dp]` (copies only where needed)."""
+    def pad(x, width):
+      if self.pad_t == 0 and width == x.shape[-1]:
+        return x
+      return jnp.pad(x, [(0, 0), (0, self.pad_t), (0, 0), (0, width - x.shape[-1])])
+    return pad(q, self.padded_k), pad(k, self.padded_k), pad(v, self.padded_v)
+
+  def token_major(self, x_BTH):
+    """`[B,T,H]` -> float32 `[B,H,Tp]` (a (C,) block with stride H is not a Triton block)."""
+    return jnp.pad(jnp.swapaxes(x_BTH.astype(jnp.float32), 1, 2),
+                   [(0, 0), (0, 0), (0, self.pad_t)])
+
+  def public(self, x_BHT, like_BTH):
+    return jnp.swapaxes(x_BHT[:, :, :self.seq_len], 1, 2).astype(like_BTH.dtype)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, config):
+  """The forward, and the residuals of the backward."""
+  _check(chunk_size, scale)
+  layout = _Layout.of(q, v, scale, chunk_size)
+  # Padding tokens (g = beta = 0, zero q, k, v) leave the state unchanged, as in the reference.
+  g_BHT = layout.token_major(g)
+  w, u, kd, qg, p, x = _forward(
+      *layout.padded(q, k, v), g_BHT, layout.token_major(beta), scale=layout.scale,
+      use_qk_l2norm=bool(use_qk_l2norm), chunk_size=chunk_size,
+      exact=uses_exact_matmuls(q, k, v), config=config or PrepareConfig())
+  batch, heads = g_BHT.shape[:2]
+  chunk_decay_BHN = jnp.exp(jnp.sum(g_BHT.reshape(batch, heads, layout.num_chunks, chunk_size),
+                                    axis=-1))
+  return (w, u, kd, qg, p, chunk_decay_BHN), (q, k, v, g, beta, x, chunk_decay_BHN)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm: bool, chunk_size: int,
                    config: PrepareConfig | None = None):
   """Step (a) by the kernels: (w, u, kd, qg, p `[B,H,Tp,*]` in the store dtype, chunk decay
-  `[B,H,N]` f32); the gradient is the XLA preparation's (module docstring).
+  `[B,H,N]` f32); differentiable, by the backward kernels.
 
   q, k `[B,T,H,K]`, v `[B,T,H,V]`, g, beta `[B,T,H]` (float32 or bf16; the caller checks that the
   compute dtype is float32); scale None means K**-0.5. T is zero-padded to Tp = N * C and K, V to
   powers of two >= 16 (only when needed), as `prepare_scan_inputs` does.
   """
-  _check(chunk_size, scale)
-  exact = uses_exact_matmuls(q, k, v)
-  batch, seq_len, heads, key_dim = q.shape
-  value_dim = v.shape[-1]
-  scale = float(key_dim ** -0.5 if scale is None else scale)
-  num_chunks = -(-seq_len // chunk_size)
-  pad_t = num_chunks * chunk_size - seq_len
-  padded_k, padded_v = next_power_of_two(key_dim), next_power_of_two(value_dim)
-  if config is None:
-    config = PrepareConfig()
+  return _prepare(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, config)[0]
 
-  def pad(x, width):
-    if pad_t == 0 and width == x.shape[-1]:
-      return x
-    return jnp.pad(x, [(0, 0), (0, pad_t), (0, 0), (0, width - x.shape[-1])])
 
-  # Padding tokens (g = beta = 0, zero q, k, v) leave the state unchanged, as in the reference.
-  # g and beta go head-major in XLA: a (C,) block with stride H is not a Triton block.
-  token_major = lambda x: jnp.pad(jnp.swapaxes(x.astype(jnp.float32), 1, 2),
-                                  [(0, 0), (0, 0), (0, pad_t)])
-  g_BHT, beta_BHT = token_major(g), token_major(beta)
-  w, u, kd, qg, p = _forward(pad(q, padded_k), pad(k, padded_k), pad(v, padded_v), g_BHT,
-                             beta_BHT, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                             chunk_size=chunk_size, exact=exact, config=config)
-  chunk_decay_BHN = jnp.exp(jnp.sum(g_BHT.reshape(batch, heads, num_chunks, chunk_size), axis=-1))
-  return w, u, kd, qg, p, chunk_decay_BHN
+def _prepare_chunks_bwd(scale, use_qk_l2norm, chunk_size, config, residuals, cotangents):
+  q, k, v, g, beta, x, chunk_decay_BHN = residuals
+  dw, du, dkd, dqg, dp, dchunk_decay_BHN = cotangents
+  layout = _Layout.of(q, v, scale, chunk_size)
+  dq, dk, dv, dg_BHT, dbeta_BHT = _backward(
+      *layout.padded(q, k, v), layout.token_major(g), layout.token_major(beta), x, dw, du, dkd,
+      dqg, dp, scale=layout.scale, use_qk_l2norm=bool(use_qk_l2norm), chunk_size=chunk_size,
+      exact=uses_exact_matmuls(q, k, v), config=config or PrepareConfig())
+  # chunk decay = exp(sum of the chunk's g): each g of the chunk gets d(decay) * decay.
+  dg_BHT = dg_BHT + jnp.repeat(dchunk_decay_BHN * chunk_decay_BHN, chunk_size, axis=-1)
+  seq_len, key_dim, value_dim = q.shape[1], q.shape[3], v.shape[3]
+  return (dq[:, :seq_len, :, :key_dim], dk[:, :seq_len, :, :key_dim],
+          dv[:, :seq_len, :, :value_dim], layout.public(dg_BHT, g),
+          layout.public(dbeta_BHT, beta))
+
+
+prepare_chunks.defvjp(_prepare, _prepare_chunks_bwd)
 
 
 def _check(chunk_size, scale):
@@ -153,25 +250,3 @@ def _check(chunk_size, scale):
   if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
     raise ValueError(f"prepare_chunks: scale must be a Python float or None (a constant of the"
                      f" kernels), got {type(scale).__name__}")
-
-
-def _xla_preparation(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size):
-  return tuple(prepare_scan_inputs(q, k, v, g, beta, scale=scale, initial_state=None,
-                                   use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)[:6])
-
-
-def _prepare_chunks_fwd(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, config):
-  del config
-  _check(chunk_size, scale)
-  outputs, vjp = jax.vjp(
-      functools.partial(_xla_preparation, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                        chunk_size=chunk_size), q, k, v, g, beta)
-  return outputs, vjp
-
-
-def _prepare_chunks_bwd(scale, use_qk_l2norm, chunk_size, config, vjp, cotangents):
-  del scale, use_qk_l2norm, chunk_size, config
-  return vjp(cotangents)
-
-
-prepare_chunks.defvjp(_prepare_chunks_fwd, _prepare_chunks_bwd)

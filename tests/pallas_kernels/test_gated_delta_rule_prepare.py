@@ -1,11 +1,10 @@
 """The per-chunk preparation kernels (pallas_prepare.py) against the XLA `prepare_scan_inputs`.
 
-Interpret mode off the GPU: the kernels' logic (l2norm, decays, A, the inverse, w and u) on tiny
-shapes. The forward outputs of a plain call (the kernels) must match the XLA preparation; the VJP
-(all five input gradients, random cotangents for all six outputs) must equal jax.vjp of the XLA
-preparation, which is what prepare_chunks differentiates. Interpret mode fills output buffers
-with NaN before the kernel runs and the comparisons reject non-finite values, so every output
-element must be written.
+Interpret mode off the GPU: the kernels' logic (l2norm, decays, A, the inverse, w and u, and the
+two backward kernels) on tiny shapes. The forward outputs must match the XLA preparation's and
+the VJP (all five input gradients, random cotangents for all six outputs) must equal jax.vjp of
+the XLA preparation. Interpret mode fills output buffers with NaN before the kernel runs and the
+comparisons reject non-finite values, so every output element must be written.
 """
 
 from __future__ import annotations
@@ -41,15 +40,15 @@ def _compare(dtype, *, seq_len, chunk_size, key_dim, value_dim, use_qk_l2norm, s
   kwargs = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
   kernels = lambda *x: prepare_chunks(*x, None, kwargs["use_qk_l2norm"], kwargs["chunk_size"],
                                       PrepareConfig())
-  # The plain call runs the kernels; under jax.vjp the forward is the XLA preparation's (the
-  # custom_vjp), so the outputs are checked from the plain call.
+  # Both the plain call and the custom_vjp's forward (under jax.vjp) are checked.
   actual = jax.jit(kernels)(*args)
-  _, actual_vjp = jax.jit(lambda *a: jax.vjp(kernels, *a))(*args)
+  actual_from_vjp, actual_vjp = jax.jit(lambda *a: jax.vjp(kernels, *a))(*args)
   expected, expected_vjp = jax.jit(lambda *a: jax.vjp(lambda *x: _reference(*x, **kwargs),
                                                       *a))(*args)
-  for name, a, e in zip(OUTPUT_NAMES, actual, expected):
+  for name, a, a_vjp, e in zip(OUTPUT_NAMES, actual, actual_from_vjp, expected):
     assert a.shape == e.shape and a.dtype == e.dtype, (name, a.shape, e.shape, a.dtype, e.dtype)
     assert_close(a, e, dtype, name=name)
+    assert_close(a_vjp, e, dtype, name=f"{name} (under jax.vjp)")
   rng = np.random.default_rng(seed + 1)
   cotangents = [jnp.asarray(rng.standard_normal(e.shape), e.dtype) for e in expected]
   for name, a, e in zip(INPUT_NAMES, actual_vjp(tuple(cotangents)),
