@@ -31,25 +31,33 @@ def _masks(chunk_size):
   return row_CC, col_CC
 
 
-def _gamma(g_C, chunk_size):
-  """exp(G): the decay from the chunk's start through each token."""
+def _cumulative(g_C, chunk_size):
+  """G_i = sum_{m <= i} g_m, the in-chunk cumulative log-decay."""
   row_CC, col_CC = _masks(chunk_size)
-  return jnp.exp(jnp.sum(jnp.where(col_CC <= row_CC, g_C[None, :], 0.0), axis=1))
+  return jnp.sum(jnp.where(col_CC <= row_CC, g_C[None, :], 0.0), axis=1)
 
 
-def _decays(g_C, chunk_size):
-  """Segment sums of the log-decay, as the XLA preparation's float32 path (no G_i - G_j
-  cancellation; for bf16 inputs the difference from its G_i - G_j is far below the tolerance).
+def _decays(g_C, chunk_size, *, exact):
+  """gamma_C = exp(G), decay_to_end_C = exp(G_C - G) and decay_CC = exp(G_i - G_j) on j <= i.
 
-  Returns gamma_C = exp(G), decay_to_end_C = exp(G_C - G), decay_CC = exp(G_i - G_j) on j <= i.
+  exact (float32 inputs): the exponents are segment sums of g, as in the XLA preparation's float32
+  path (no G_i - G_j cancellation), at the cost of a [C, C, C] float32 product. Otherwise the
+  differences G_i - G_j, as the XLA preparation's bf16 path and FLA (the cancellation, ~|G| * 6e-8
+  in the exponent, is far below the bf16 tolerance).
   """
   row_CC, col_CC = _masks(chunk_size)
-  to_end_C = jnp.sum(jnp.where(col_CC > row_CC, g_C[None, :], 0.0), axis=1)
-  # log_ratio[i, j] = sum_{j < m <= i} g_m = [m <= i] @ ([m > j] g_m), a 0/1 matrix product.
-  lower_incl_CC = jnp.where(col_CC <= row_CC, 1.0, 0.0)
-  log_ratio_CC = _exact_dot(lower_incl_CC, jnp.where(row_CC > col_CC, g_C[:, None], 0.0))
+  cumulative_C = _cumulative(g_C, chunk_size)
+  if exact:
+    to_end_C = jnp.sum(jnp.where(col_CC > row_CC, g_C[None, :], 0.0), axis=1)
+    # log_ratio[i, j] = sum_{j < m <= i} g_m = [m <= i] @ ([m > j] g_m), a 0/1 matrix product.
+    lower_incl_CC = jnp.where(col_CC <= row_CC, 1.0, 0.0)
+    log_ratio_CC = _exact_dot(lower_incl_CC, jnp.where(row_CC > col_CC, g_C[:, None], 0.0))
+  else:
+    to_end_C = jnp.sum(g_C) - cumulative_C
+    # Zeroed above the diagonal before exp, where G_i - G_j >= 0 could overflow.
+    log_ratio_CC = jnp.where(col_CC <= row_CC, cumulative_C[:, None] - cumulative_C[None, :], 0.0)
   decay_CC = jnp.where(col_CC <= row_CC, jnp.exp(log_ratio_CC), 0.0)
-  return _gamma(g_C, chunk_size), jnp.exp(to_end_C), decay_CC
+  return jnp.exp(cumulative_C), jnp.exp(to_end_C), decay_CC
 
 
 def _normalized(x_CD, scale, use_qk_l2norm):
@@ -71,7 +79,8 @@ def attention_kernel(q_ref, k_ref, g_ref, beta_ref, a_ref, kd_ref, qg_ref, p_ref
   q_CK = _load_normalized(q_ref, scale, use_qk_l2norm, store_dtype)
   k_CK = _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype)
   beta_C = beta_ref[...].astype(jnp.float32)
-  gamma_C, decay_to_end_C, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size)
+  gamma_C, decay_to_end_C, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size,
+                                                exact=exact)
   row_CC, col_CC = _masks(chunk_size)
   kk_CC = kernel_dot(k_CK, k_CK, exact=exact, trans_b=True)
   a_ref[...] = jnp.where(col_CC < row_CC, beta_C[:, None] * decay_CC * kk_CC, 0.0)
@@ -87,7 +96,7 @@ def wy_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref, *, use_qk_l2no
   k_CK = _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype)
   v_CV = v_ref[...].astype(store_dtype)
   beta_C = beta_ref[...].astype(jnp.float32)
-  gamma_C = _gamma(g_ref[...].astype(jnp.float32), chunk_size)
+  gamma_C = jnp.exp(_cumulative(g_ref[...].astype(jnp.float32), chunk_size))
   t_CC = x_ref[...] * beta_C[None, :]
   w_ref[...] = kernel_dot(t_CC * gamma_C[None, :], k_CK, exact=exact).astype(store_dtype)
   u_ref[...] = kernel_dot(t_CC, v_CV, exact=exact).astype(store_dtype)
@@ -120,7 +129,7 @@ def wy_backward_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, dw_ref, du_ref, dv_
   store_dtype = dw_ref.dtype
   k_CK = _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype)
   beta_C = beta_ref[...].astype(jnp.float32)
-  gamma_C, _, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size)
+  gamma_C, _, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size, exact=exact)
   row_CC, col_CC = _masks(chunk_size)
   x_CC = x_ref[...]
   t_CC = x_CC * beta_C[None, :]
@@ -160,7 +169,8 @@ def attention_backward_kernel(q_ref, k_ref, g_ref, dkd_ref, dqg_ref, dp_ref, dk_
   store_dtype = dkd_ref.dtype
   q_CK = _load_normalized(q_ref, scale, use_qk_l2norm, store_dtype)
   k_CK = _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype)
-  gamma_C, decay_to_end_C, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size)
+  gamma_C, decay_to_end_C, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size,
+                                                exact=exact)
   row_CC, col_CC = _masks(chunk_size)
   dqk_CC = dp_ref[...].astype(jnp.float32) * decay_CC
   dlog_ratio_CC = dqk_CC * kernel_dot(q_CK, k_CK, exact=exact, trans_b=True)
