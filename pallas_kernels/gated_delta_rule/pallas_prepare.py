@@ -42,6 +42,7 @@ from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
 from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
     attention_backward_kernel,
     attention_kernel,
+    backward_kernel,
     wy_backward_kernel,
     wy_kernel,
 )
@@ -57,20 +58,25 @@ __all__ = ["PrepareConfig", "next_power_of_two", "prepare_chunks",
 
 @dataclasses.dataclass(frozen=True)
 class PrepareConfig:
-  """Triton launch parameters of the two per-chunk kernels (the inverse uses one warp).
+  """Triton launch parameters of the per-chunk kernels (the inverse uses one warp), and whether
+  the backward runs as one kernel (`fused_backward`) or two.
 
   Defaults: the fastest of warps 2/4/8 x stages 1/2 at 3 of the 4 shapes of issue 6 on one H100
   (session 7, docs/benchmarks.md); at B4 T4096 H64 one stage measured 2% faster (2.64 / 2.70 ms).
   4 warps spill at K = 256 (3.45 against 1.34 ms) and 2 warps everywhere (up to 20x slower).
+  The backward kernels use the same warps; stages do not matter to them (no loops).
   """
   num_warps: int = 8
   num_stages: int = 2
+  fused_backward: bool = False
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
+    for name in ("num_warps", "num_stages"):
+      value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"PrepareConfig.{field.name} must be a positive int, got {value!r}")
+        raise ValueError(f"PrepareConfig.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.fused_backward, bool):
+      raise ValueError(f"PrepareConfig.fused_backward must be a bool, got {self.fused_backward!r}")
 
 
 def _specs(q, v, chunk_size):
@@ -119,32 +125,69 @@ def _backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, *, scale, use_qk_l2norm
   """dq, dk, dv `[B,Tp,H,*]` (the dtypes of q, k, v) and dg, dbeta `[B,H,Tp]` (float32; dg
   without the chunk decay's term) from the forward's inputs, X and the cotangents of w, u, kd,
   qg and p."""
+  static = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, exact=exact, config=config)
+  if config.fused_backward:
+    return fused_backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, scale=scale, **static)
+  dv, dk_wy, dbeta, dcum_wy = wy_backward(k, v, g, beta, x, dw, du, **static)
+  dq, dk, dg = attention_backward(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy, scale=scale, **static)
+  return dq, dk, dv, dg, dbeta
+
+
+def fused_backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, *, scale, use_qk_l2norm,
+                   chunk_size, exact, config):
+  """Both backward steps in one kernel (`backward_kernel`)."""
   batch, padded_len, heads, _ = q.shape
   specs = _specs(q, v, chunk_size)
-  like = lambda x, dtype: jax.ShapeDtypeStruct(x.shape, dtype)
   token = jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)
-  call = _launcher(padded_len, batch, heads, chunk_size, config)
-  # The partial dk crosses in float32: the l2norm's backward subtracts its projection on k,
-  # which would amplify a bf16 rounding of it.
-  dv, dk_wy, dbeta, dcum_wy = call(
+  like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  dq, dk, dv, dg, dbeta = _launcher(padded_len, batch, heads, chunk_size, config)(
+      functools.partial(backward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                        chunk_size=chunk_size, exact=exact),
+      in_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
+                specs["token"], specs["c"], specs["k"], specs["v"], specs["k"], specs["k"],
+                specs["c"]],
+      out_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
+                 specs["token"]],
+      out_shape=[like(q), like(k), like(v), token, token],
+      name="gdn_prepare_backward",
+  )(q, k, v, g, beta, x, dw, du, dkd, dqg, dp)
+  return dq, dk, dv, dg, dbeta
+
+
+def wy_backward(k, v, g, beta, x, dw, du, *, use_qk_l2norm, chunk_size, exact, config):
+  """The first backward kernel: dv, the partial dk (float32; it crosses to the second kernel in
+  float32 because the l2norm's backward subtracts its projection on k, which would amplify a
+  bf16 rounding), dbeta and the partial dG."""
+  batch, padded_len, heads, _ = k.shape
+  specs = _specs(k, v, chunk_size)
+  token = jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)
+  return _launcher(padded_len, batch, heads, chunk_size, config)(
       functools.partial(wy_backward_kernel, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                         exact=exact),
       in_specs=[specs["public_k"], specs["public_v"], specs["token"], specs["token"], specs["c"],
                 specs["k"], specs["v"]],
       out_specs=[specs["public_v"], specs["public_k"], specs["token"], specs["token"]],
-      out_shape=[like(v, v.dtype), like(k, jnp.float32), token, token],
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                 token, token],
       name="gdn_prepare_wy_backward",
   )(k, v, g, beta, x, dw, du)
-  dq, dk, dg = call(
+
+
+def attention_backward(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy, *, scale, use_qk_l2norm,
+                       chunk_size, exact, config):
+  """The second backward kernel: dq, dk and dg (without the chunk decay's term)."""
+  batch, padded_len, heads, _ = q.shape
+  specs = _specs(q, q, chunk_size)
+  return _launcher(padded_len, batch, heads, chunk_size, config)(
       functools.partial(attention_backward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
                         chunk_size=chunk_size, exact=exact),
       in_specs=[specs["public_k"], specs["public_k"], specs["token"], specs["k"], specs["k"],
                 specs["c"], specs["public_k"], specs["token"]],
       out_specs=[specs["public_k"], specs["public_k"], specs["token"]],
-      out_shape=[like(q, q.dtype), like(k, k.dtype), token],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)],
       name="gdn_prepare_attention_backward",
   )(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy)
-  return dq, dk, dv, dg, dbeta
 
 
 def _launcher(padded_len, batch, heads, chunk_size, config):

@@ -34,12 +34,13 @@ def _reference(q, k, v, g, beta, *, use_qk_l2norm, chunk_size):
                              use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)[:6]
 
 
-def _compare(dtype, *, seq_len, chunk_size, key_dim, value_dim, use_qk_l2norm, seed):
+def _compare(dtype, *, seq_len, chunk_size, key_dim, value_dim, use_qk_l2norm, seed,
+             config=PrepareConfig()):
   args = _inputs(seed, dtype, seq_len=seq_len, key_dim=key_dim, value_dim=value_dim,
                  use_qk_l2norm=use_qk_l2norm)
   kwargs = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
   kernels = lambda *x: prepare_chunks(*x, None, kwargs["use_qk_l2norm"], kwargs["chunk_size"],
-                                      PrepareConfig())
+                                      config)
   # Both the plain call and the custom_vjp's forward (under jax.vjp) are checked.
   actual = jax.jit(kernels)(*args)
   actual_from_vjp, actual_vjp = jax.jit(lambda *a: jax.vjp(kernels, *a))(*args)
@@ -70,28 +71,33 @@ def test_prepare_chunks_float32_matches_xla(seq_len, chunk_size, key_dim, value_
            value_dim=value_dim, use_qk_l2norm=use_qk_l2norm, seed=10 + seq_len)
 
 
-def test_prepare_chunks_bf16_matches_xla():
+@pytest.mark.parametrize("fused_backward", [False, True], ids=["two_kernels", "one_kernel"])
+def test_prepare_chunks_bf16_matches_xla(fused_backward):
   # The fast check of every term (a dropped gradient term errs by O(1), far above 2e-2).
   _compare(jnp.bfloat16, seq_len=40, chunk_size=16, key_dim=32, value_dim=16, use_qk_l2norm=True,
-           seed=21)
+           seed=21, config=PrepareConfig(fused_backward=fused_backward))
 
 
 def test_prepare_chunks_config_validates():
   with pytest.raises(ValueError, match="num_warps"):
     PrepareConfig(num_warps=0)
+  with pytest.raises(ValueError, match="fused_backward"):
+    PrepareConfig(fused_backward=1)
   with pytest.raises(ValueError, match="chunk_size"):
     prepare_chunks(*_inputs(1, jnp.float32, seq_len=8, key_dim=16, value_dim=16,
                             use_qk_l2norm=True), None, True, 24)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,key_dim", [(jnp.float32, 128), (jnp.bfloat16, 128),
-                                           (jnp.bfloat16, 256)], ids=["float32", "bf16", "bf16_K256"])
-def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim):
+@pytest.mark.parametrize("dtype,key_dim,fused_backward", [
+    (jnp.float32, 128, False), (jnp.bfloat16, 128, False), (jnp.bfloat16, 256, False),
+    (jnp.bfloat16, 128, True), (jnp.bfloat16, 256, True)],
+    ids=["float32", "bf16", "bf16_K256", "bf16_one_kernel", "bf16_K256_one_kernel"])
+def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim, fused_backward):
   # Compiled by Triton at realistic head sizes and the default chunk; T = 1000 is not a multiple
   # of it.
   _compare(dtype, seq_len=1000, chunk_size=64, key_dim=key_dim, value_dim=key_dim,
-           use_qk_l2norm=True, seed=31)
+           use_qk_l2norm=True, seed=31, config=PrepareConfig(fused_backward=fused_backward))
 
 
 def test_fused_prepare_is_the_default_of_the_public_entry():
