@@ -1,8 +1,8 @@
 """Times the GDN preparation's backward kernels one by one on the GPU (pallas_prepare.py).
 
-For each shape: the preparation kernels' forward and forward + backward (two backward kernels, or
-one: PrepareConfig.fused_backward), then each backward kernel alone by launch width, and each again with one of its parts swapped for a cheaper one
-(bf16 dots for the inverse's backward, no l2norm backward), to find what their time is spent on.
+For each shape: the preparation kernels' forward and forward + backward, then each backward
+kernel alone by launch width, and each again with one of its parts swapped for a cheaper one
+(no l2norm backward), to find what their time is spent on.
 Inputs are random with the shapes and dtypes of a bf16 training step.
 
 Run on the GPU machine: `python3 tools/profile_prep_backward.py [--shapes 3,0] [--json FILE]`.
@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from pallas_kernels.benchmarking import median_ms
 from pallas_kernels.gated_delta_rule import pallas_prepare, pallas_prepare_kernels
-from pallas_kernels.gated_delta_rule.pallas_state_pass import kernel_dot
 
 SHAPES = ((8, 4096, 8, 256), (8, 4096, 8, 128), (1, 16384, 8, 128), (4, 4096, 64, 128))
 CHUNK = 64
@@ -33,8 +32,6 @@ CHUNK = 64
 # Parts of the backward kernels that a variant replaces (module globals read at trace time).
 VARIANTS = {
     "as_is": {},
-    "bf16_inverse_backward": {"_inverse_backward_dot": lambda a, b, exact: kernel_dot(
-        a, b, exact=exact)},
     "no_l2norm_backward": {"_l2norm_backward": lambda x, dx, scale, use: dx * scale},
 }
 
@@ -85,30 +82,24 @@ def bench(shape, results, json_path):
         json.dump(results, f, indent=1)
 
   public_names = ("q", "k", "v", "g_public", "beta_public")
-  for fused in (False, True):
-    config = pallas_prepare.PrepareConfig(fused_backward=fused)
-    forward = functools.partial(pallas_prepare.prepare_chunks, scale=None, use_qk_l2norm=True,
-                                chunk_size=CHUNK, config=config)
+  forward = lambda *a: pallas_prepare.prepare_chunks(*a, None, True, CHUNK)
 
-    def forward_backward(*a, forward=forward):
-      outputs, vjp = jax.vjp(forward, *a)
-      return vjp(outputs)
+  def forward_backward(*a):
+    outputs, vjp = jax.vjp(forward, *a)
+    return vjp(outputs)
 
-    if not fused:
-      record(piece="prep_fwd", ms=timed(forward, public_names))
-    record(piece="prep_fwdbwd", fused_backward=fused, ms=timed(forward_backward, public_names))
+  record(piece="prep_fwd", ms=timed(forward, public_names))
+  record(piece="prep_fwdbwd", ms=timed(forward_backward, public_names))
   for warps in (4, 8):
     static = dict(use_qk_l2norm=True, chunk_size=CHUNK, exact=False,
-                  config=pallas_prepare.PrepareConfig(num_warps=warps, num_stages=1))
+                  config=pallas_prepare.PrepareConfig(wy_backward_num_warps=warps,
+                                                      attention_backward_num_warps=warps))
     for variant, replacements in VARIANTS.items():
       with patched(replacements):
         wy = functools.partial(pallas_prepare.wy_backward, **static)
         attention = functools.partial(pallas_prepare.attention_backward, scale=dim ** -0.5,
                                       **static)
-        fused = functools.partial(pallas_prepare.fused_backward, scale=dim ** -0.5, **static)
         for piece, fn, names in (
-            ("fused_backward", fused,
-             ("q", "k", "v", "g", "beta", "x", "dw", "du", "dkd", "dqg", "dp")),
             ("wy_backward", wy, ("k", "v", "g", "beta", "x", "dw", "du")),
             ("attention_backward", attention,
              ("q", "k", "g", "dkd", "dqg", "dp", "dk_wy", "dcum_wy"))):

@@ -24,7 +24,7 @@ __all__ = ["inverse_forward", "unit_lower_inverse"]
 BLOCK = 16  # rows of the diagonal blocks inverted by substitution (Triton's smallest dot tile)
 
 
-def _inverse_kernel(a_ref, x_ref, *, size):
+def _inverse_kernel(a_ref, x_ref, *, size, exact):
   # Blockwise, as FLA's solve_tril and reference.unit_lower_inverse: the C/16 diagonal 16 x 16
   # blocks by forward substitution, all in the same 15-step loop (independent work per step), then
   # the blocks below the diagonal from X_rc = -X_rr sum_{c<=m<r} A_rm X_mc (16 x 16 dots). Measured
@@ -32,7 +32,8 @@ def _inverse_kernel(a_ref, x_ref, *, size):
   # cross-warp reduction over 4096 entries) dominated the GDN preparation.
   # Substitution is backward stable; the merge's products are those of principal blocks of the
   # true inverse (bounded by it), unlike a power series (see reference._substitution_inverse).
-  # All float32 at full precision ("ieee" dots).
+  # All float32; the dots at full precision ("ieee") when exact, else TF32 (the bf16 inputs'
+  # preparation: Triton's IEEE dots run on the FMA units, several times slower).
   num_blocks = size // BLOCK
   row_BB = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
   col_BB = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
@@ -50,15 +51,15 @@ def _inverse_kernel(a_ref, x_ref, *, size):
     return tuple(updated)
 
   diagonal = jax.lax.fori_loop(1, BLOCK, substitute_row, (identity_BB,) * num_blocks)
-  exact_dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST,
-                                   preferred_element_type=jnp.float32)
+  precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
+  block_dot = lambda a, b: jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
   x = {(r, r): diagonal[r] for r in range(num_blocks)}
   for r in range(1, num_blocks):
     for c in range(r - 1, -1, -1):
-      total_BB = exact_dot(block(r, c), x[c, c])
+      total_BB = block_dot(block(r, c), x[c, c])
       for m in range(c + 1, r):
-        total_BB += exact_dot(block(r, m), x[m, c])
-      x[r, c] = -exact_dot(x[r, r], total_BB)
+        total_BB += block_dot(block(r, m), x[m, c])
+      x[r, c] = -block_dot(x[r, r], total_BB)
   zeros_BB = jnp.zeros((BLOCK, BLOCK), jnp.float32)
   for r in range(num_blocks):
     for c in range(num_blocks):
@@ -66,15 +67,15 @@ def _inverse_kernel(a_ref, x_ref, *, size):
           x_ref.dtype)
 
 
-def inverse_forward(a_XCC, num_warps: int = 1):
-  """The forward alone (no gradient), for timing launch widths."""
+def inverse_forward(a_XCC, num_warps: int = 1, exact: bool = True):
+  """The forward alone (no gradient). exact=False: TF32 dots (for bf16 inputs)."""
   # One warp: the tiles are 16 x 16. Measured on an H100 (B1 T16384 H8, 2048 matrices): 0.18 ms
   # with 1 warp, 0.25 with 2, 0.49 with 4 (more warps only split 256 entries finer and add
   # cross-warp reductions to every substitution step).
   num, size, _ = a_XCC.shape
   spec = pl.BlockSpec((None, size, size), lambda i: (i, 0, 0))
   return pl.pallas_call(
-      functools.partial(_inverse_kernel, size=size),
+      functools.partial(_inverse_kernel, size=size, exact=exact),
       grid=(num,),
       in_specs=[spec],
       out_specs=spec,

@@ -42,7 +42,6 @@ from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
 from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
     attention_backward_kernel,
     attention_kernel,
-    backward_kernel,
     wy_backward_kernel,
     wy_kernel,
 )
@@ -58,25 +57,25 @@ __all__ = ["PrepareConfig", "next_power_of_two", "prepare_chunks",
 
 @dataclasses.dataclass(frozen=True)
 class PrepareConfig:
-  """Triton launch parameters of the per-chunk kernels (the inverse uses one warp), and whether
-  the backward runs as one kernel (`fused_backward`) or two.
+  """Triton launch parameters of the per-chunk kernels (the inverse uses one warp).
 
-  Defaults: the fastest of warps 2/4/8 x stages 1/2 at 3 of the 4 shapes of issue 6 on one H100
-  (session 7, docs/benchmarks.md); at B4 T4096 H64 one stage measured 2% faster (2.64 / 2.70 ms).
-  4 warps spill at K = 256 (3.45 against 1.34 ms) and 2 warps everywhere (up to 20x slower).
-  The backward kernels use the same warps; stages do not matter to them (no loops).
+  Forward defaults: the fastest of warps 2/4/8 x stages 1/2 at 3 of the 4 shapes of issue 6 on
+  one H100 (session 7, docs/benchmarks.md); at B4 T4096 H64 one stage measured 2% faster (2.64 /
+  2.70 ms). 4 warps spill at K = 256 (3.45 against 1.34 ms) and 2 warps everywhere (up to 20x
+  slower). Backward (no loops, so no stages), session 8 on an H100, 4 / 8 warps: the first kernel
+  2.6 / 3.7 ms at B4 T4096 H64 and 1.7 / 1.9 at B8 T4096 H8 K=V=256; the second 5.2 / 2.4 and
+  7.6 / 1.5 (it spills at 4).
   """
   num_warps: int = 8
   num_stages: int = 2
-  fused_backward: bool = False
+  wy_backward_num_warps: int = 4
+  attention_backward_num_warps: int = 8
 
   def __post_init__(self):
-    for name in ("num_warps", "num_stages"):
-      value = getattr(self, name)
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"PrepareConfig.{name} must be a positive int, got {value!r}")
-    if not isinstance(self.fused_backward, bool):
-      raise ValueError(f"PrepareConfig.fused_backward must be a bool, got {self.fused_backward!r}")
+        raise ValueError(f"PrepareConfig.{field.name} must be a positive int, got {value!r}")
 
 
 def _specs(q, v, chunk_size):
@@ -108,7 +107,7 @@ def _forward(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, exact, confi
                  head_major(key_dim, store_dtype), head_major(chunk_size, store_dtype)],
       name="gdn_prepare_attention",
   )(q, k, g, beta)
-  x = inverse_forward(a.reshape(-1, chunk_size, chunk_size)).reshape(a.shape)
+  x = inverse_forward(a.reshape(-1, chunk_size, chunk_size), exact=exact).reshape(a.shape)
   w, u = call(
       functools.partial(wy_kernel, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                         exact=exact),
@@ -126,31 +125,8 @@ def _backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, *, scale, use_qk_l2norm
   without the chunk decay's term) from the forward's inputs, X and the cotangents of w, u, kd,
   qg and p."""
   static = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, exact=exact, config=config)
-  if config.fused_backward:
-    return fused_backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, scale=scale, **static)
   dv, dk_wy, dbeta, dcum_wy = wy_backward(k, v, g, beta, x, dw, du, **static)
   dq, dk, dg = attention_backward(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy, scale=scale, **static)
-  return dq, dk, dv, dg, dbeta
-
-
-def fused_backward(q, k, v, g, beta, x, dw, du, dkd, dqg, dp, *, scale, use_qk_l2norm,
-                   chunk_size, exact, config):
-  """Both backward steps in one kernel (`backward_kernel`)."""
-  batch, padded_len, heads, _ = q.shape
-  specs = _specs(q, v, chunk_size)
-  token = jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)
-  like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  dq, dk, dv, dg, dbeta = _launcher(padded_len, batch, heads, chunk_size, config)(
-      functools.partial(backward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                        chunk_size=chunk_size, exact=exact),
-      in_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
-                specs["token"], specs["c"], specs["k"], specs["v"], specs["k"], specs["k"],
-                specs["c"]],
-      out_specs=[specs["public_k"], specs["public_k"], specs["public_v"], specs["token"],
-                 specs["token"]],
-      out_shape=[like(q), like(k), like(v), token, token],
-      name="gdn_prepare_backward",
-  )(q, k, v, g, beta, x, dw, du, dkd, dqg, dp)
   return dq, dk, dv, dg, dbeta
 
 
@@ -161,7 +137,8 @@ def wy_backward(k, v, g, beta, x, dw, du, *, use_qk_l2norm, chunk_size, exact, c
   batch, padded_len, heads, _ = k.shape
   specs = _specs(k, v, chunk_size)
   token = jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)
-  return _launcher(padded_len, batch, heads, chunk_size, config)(
+  return _launcher(padded_len, batch, heads, chunk_size, config,
+                   config.wy_backward_num_warps)(
       functools.partial(wy_backward_kernel, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                         exact=exact),
       in_specs=[specs["public_k"], specs["public_v"], specs["token"], specs["token"], specs["c"],
@@ -178,7 +155,8 @@ def attention_backward(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy, *, scale, use_qk_l
   """The second backward kernel: dq, dk and dg (without the chunk decay's term)."""
   batch, padded_len, heads, _ = q.shape
   specs = _specs(q, q, chunk_size)
-  return _launcher(padded_len, batch, heads, chunk_size, config)(
+  return _launcher(padded_len, batch, heads, chunk_size, config,
+                   config.attention_backward_num_warps)(
       functools.partial(attention_backward_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm,
                         chunk_size=chunk_size, exact=exact),
       in_specs=[specs["public_k"], specs["public_k"], specs["token"], specs["k"], specs["k"],
@@ -190,11 +168,12 @@ def attention_backward(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy, *, scale, use_qk_l
   )(q, k, g, dkd, dqg, dp, dk_wy, dcum_wy)
 
 
-def _launcher(padded_len, batch, heads, chunk_size, config):
-  """pallas_call over the grid (N, B, H) with the config's launch parameters."""
+def _launcher(padded_len, batch, heads, chunk_size, config, num_warps=None):
+  """pallas_call over the grid (N, B, H) with the config's launch parameters (the forward's
+  warps unless given)."""
+  num_warps = config.num_warps if num_warps is None else num_warps
   return functools.partial(pl.pallas_call, grid=(padded_len // chunk_size, batch, heads),
-                           compiler_params=triton_compiler_params(config.num_warps,
-                                                                  config.num_stages),
+                           compiler_params=triton_compiler_params(num_warps, config.num_stages),
                            interpret=interpret())
 
 

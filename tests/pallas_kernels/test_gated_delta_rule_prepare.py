@@ -71,33 +71,30 @@ def test_prepare_chunks_float32_matches_xla(seq_len, chunk_size, key_dim, value_
            value_dim=value_dim, use_qk_l2norm=use_qk_l2norm, seed=10 + seq_len)
 
 
-@pytest.mark.parametrize("fused_backward", [False, True], ids=["two_kernels", "one_kernel"])
-def test_prepare_chunks_bf16_matches_xla(fused_backward):
+def test_prepare_chunks_bf16_matches_xla():
   # The fast check of every term (a dropped gradient term errs by O(1), far above 2e-2).
   _compare(jnp.bfloat16, seq_len=40, chunk_size=16, key_dim=32, value_dim=16, use_qk_l2norm=True,
-           seed=21, config=PrepareConfig(fused_backward=fused_backward))
+           seed=21)
 
 
 def test_prepare_chunks_config_validates():
   with pytest.raises(ValueError, match="num_warps"):
     PrepareConfig(num_warps=0)
-  with pytest.raises(ValueError, match="fused_backward"):
-    PrepareConfig(fused_backward=1)
+  with pytest.raises(ValueError, match="wy_backward_num_warps"):
+    PrepareConfig(wy_backward_num_warps=True)
   with pytest.raises(ValueError, match="chunk_size"):
     prepare_chunks(*_inputs(1, jnp.float32, seq_len=8, key_dim=16, value_dim=16,
                             use_qk_l2norm=True), None, True, 24)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,key_dim,fused_backward", [
-    (jnp.float32, 128, False), (jnp.bfloat16, 128, False), (jnp.bfloat16, 256, False),
-    (jnp.bfloat16, 128, True), (jnp.bfloat16, 256, True)],
-    ids=["float32", "bf16", "bf16_K256", "bf16_one_kernel", "bf16_K256_one_kernel"])
-def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim, fused_backward):
+@pytest.mark.parametrize("dtype,key_dim", [(jnp.float32, 128), (jnp.bfloat16, 128),
+                                           (jnp.bfloat16, 256)], ids=["float32", "bf16", "bf16_K256"])
+def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim):
   # Compiled by Triton at realistic head sizes and the default chunk; T = 1000 is not a multiple
   # of it.
   _compare(dtype, seq_len=1000, chunk_size=64, key_dim=key_dim, value_dim=key_dim,
-           use_qk_l2norm=True, seed=31, config=PrepareConfig(fused_backward=fused_backward))
+           use_qk_l2norm=True, seed=31)
 
 
 def test_fused_prepare_is_the_default_of_the_public_entry():
