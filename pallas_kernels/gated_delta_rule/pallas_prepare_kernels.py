@@ -112,8 +112,8 @@ def _l2norm_backward(x_raw_CD, dx_normed_CD, scale, use_qk_l2norm):
   return scale * inv_norm_C1 * (dx_normed_CD - x_CD * (inv_norm_C1 * inv_norm_C1 * projection_C1))
 
 
-def _wy_backward(k_CK, v_CV, beta_C, gamma_C, decay_CC, x_CC, dw_CK, du_CV, *, chunk_size,
-                 exact):
+def wy_backward_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, dw_ref, du_ref, dv_ref, dk_ref,
+                       dbeta_ref, dcum_ref, *, use_qk_l2norm, chunk_size, exact):
   """Cotangents dw, du back through w = T diag(e) k, u = T v, T = X diag(beta), X = (I + A)^-1
   and A = B (strict_lower(Dm) ⊙ k k^T):
 
@@ -123,13 +123,22 @@ def _wy_backward(k_CK, v_CV, beta_C, gamma_C, decay_CC, x_CC, dw_CK, du_CV, *, c
     every factor Dm_ij = exp(G_i - G_j) with weight r_ij = (dS ⊙ S)_ij adds r to dG_i and -r to
     dG_j, and e adds e ⊙ de.
 
-  Returns dv and dbeta (final), dk w.r.t. the normalised k (float32, partial) and dG (w.r.t. the
-  cumulative log-decay G, partial).
+  Writes dv and dbeta (final), dk w.r.t. the normalised k (float32, partial) and dG (float32,
+  w.r.t. the cumulative log-decay G, partial). Each output is stored as soon as it is final, so
+  its registers are free for what follows (at K = 256 the other order spills).
   """
+  store_dtype = dw_ref.dtype
+  k_CK = _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype)
+  beta_C = beta_ref[...].astype(jnp.float32)
+  gamma_C, _, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size, exact=exact)
   row_CC, col_CC = _masks(chunk_size)
+  x_CC = x_ref[...]
   t_CC = x_CC * beta_C[None, :]
-  dxu_CC = kernel_dot(du_CV, v_CV, exact=exact, trans_b=True)
-  dv_CV = kernel_dot(t_CC, du_CV, exact=exact, trans_a=True)
+  # u first, so that v and du are dead before the [C, K] tiles of w's terms load.
+  du_CV = du_ref[...]
+  dxu_CC = kernel_dot(du_CV, v_ref[...].astype(store_dtype), exact=exact, trans_b=True)
+  dv_ref[...] = kernel_dot(t_CC, du_CV, exact=exact, trans_a=True).astype(dv_ref.dtype)
+  dw_CK = dw_ref[...]
   dxw_CC = kernel_dot(dw_CK, k_CK, exact=exact, trans_b=True)
   dk_CK = kernel_dot(t_CC * gamma_C[None, :], dw_CK, exact=exact, trans_a=True)
   colsum_w_C = jnp.sum(dxw_CC * x_CC, axis=0)
@@ -142,73 +151,46 @@ def _wy_backward(k_CK, v_CV, beta_C, gamma_C, decay_CC, x_CC, dw_CK, du_CV, *, c
   da_decay_CC = jnp.where(col_CC < row_CC, da_CC, 0.0) * decay_CC
   kk_CC = kernel_dot(k_CK, k_CK, exact=exact, trans_b=True)
   dbeta_a_C = jnp.sum(da_decay_CC * kk_CC, axis=1)
-  dbeta_C = gamma_C * colsum_w_C + jnp.sum(dxu_CC * x_CC, axis=0) + dbeta_a_C
+  dbeta_ref[...] = gamma_C * colsum_w_C + jnp.sum(dxu_CC * x_CC, axis=0) + dbeta_a_C
   ds_CC = beta_C[:, None] * da_decay_CC
-  dk_CK = dk_CK + kernel_dot(ds_CC + ds_CC.T, k_CK, exact=exact)
-  dcum_C = (gamma_C * beta_C * colsum_w_C + beta_C * dbeta_a_C
-            - jnp.sum(ds_CC * kk_CC, axis=0))
-  return dv_CV, dk_CK, dbeta_C, dcum_C
+  dk_ref[...] = dk_CK + kernel_dot(ds_CC + ds_CC.T, k_CK, exact=exact)
+  dcum_ref[...] = (gamma_C * beta_C * colsum_w_C + beta_C * dbeta_a_C
+                   - jnp.sum(ds_CC * kk_CC, axis=0))
 
 
-def _attention_backward(q_raw_CK, k_raw_CK, q_CK, k_CK, gamma_C, decay_to_end_C, decay_CC,
-                        dkd_CK, dqg_CK, dp_CC, dk_CK, dcum_C, *, scale, use_qk_l2norm,
-                        chunk_size, exact):
+def attention_backward_kernel(q_ref, k_ref, g_ref, dkd_ref, dqg_ref, dp_ref, dk_wy_ref,
+                              dcum_wy_ref, dq_ref, dk_ref, dg_ref, *, scale, use_qk_l2norm,
+                              chunk_size, exact):
   """Adds the cotangents of p = (q k^T) ⊙ Dm, qg = diag(e) q and kd = diag(exp(G_C - G)) k to
-  _wy_backward's dk and dG, then dg_m = sum_{i >= m} dG_i (G_i = sum_{m <= i} g_m) and the
+  wy_backward_kernel's dk and dG, then dg_m = sum_{i >= m} dG_i (G_i = sum_{m <= i} g_m) and the
   l2norm and scale backward from the raw q and k:
 
     dq = (dp ⊙ Dm) k + diag(e) dqg;  dk += (dp ⊙ Dm)^T q + diag(exp(G_C - G)) dkd;
     dG += e ⊙ rowsum(dqg ⊙ q) + (rowsum - colsum)(dp ⊙ Dm ⊙ q k^T) - r + [i = C] sum(r),
     r = exp(G_C - G) ⊙ rowsum(dkd ⊙ k).
 
-  Returns dq, dk (float32, w.r.t. the raw q and k) and dg.
+  dq is stored before dk is formed (session 8, H100, K = 256: holding both spilled, 2.75 against
+  1.51 ms).
   """
+  store_dtype = dkd_ref.dtype
+  q_CK = _load_normalized(q_ref, scale, use_qk_l2norm, store_dtype)
+  k_CK = _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype)
+  gamma_C, decay_to_end_C, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size,
+                                              exact=exact)
   row_CC, col_CC = _masks(chunk_size)
-  dqk_CC = dp_CC.astype(jnp.float32) * decay_CC
+  dqk_CC = dp_ref[...].astype(jnp.float32) * decay_CC
   dlog_ratio_CC = dqk_CC * kernel_dot(q_CK, k_CK, exact=exact, trans_b=True)
-  dqg_CK = dqg_CK.astype(jnp.float32)
+  dqg_CK = dqg_ref[...].astype(jnp.float32)
   dq_CK = kernel_dot(dqk_CC, k_CK, exact=exact) + gamma_C[:, None] * dqg_CK
   dgamma_C = jnp.sum(dqg_CK * q_CK.astype(jnp.float32), axis=1)
-  dq_CK = _l2norm_backward(q_raw_CK, dq_CK, scale, use_qk_l2norm)
-  dkd_CK = dkd_CK.astype(jnp.float32)
-  dk_CK = (dk_CK + kernel_dot(dqk_CC, q_CK, exact=exact, trans_a=True)
+  dq_ref[...] = _l2norm_backward(q_ref[...], dq_CK, scale, use_qk_l2norm).astype(dq_ref.dtype)
+  dkd_CK = dkd_ref[...].astype(jnp.float32)
+  dk_CK = (dk_wy_ref[...] + kernel_dot(dqk_CC, q_CK, exact=exact, trans_a=True)
            + decay_to_end_C[:, None] * dkd_CK)
-  dk_CK = _l2norm_backward(k_raw_CK, dk_CK, 1.0, use_qk_l2norm)
+  dk_ref[...] = _l2norm_backward(k_ref[...], dk_CK, 1.0, use_qk_l2norm).astype(dk_ref.dtype)
   dlog_to_end_C = decay_to_end_C * jnp.sum(dkd_CK * k_CK.astype(jnp.float32), axis=1)
   last_C = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
-  dcum_C = (dcum_C + gamma_C * dgamma_C + jnp.sum(dlog_ratio_CC, axis=1)
+  dcum_C = (dcum_wy_ref[...] + gamma_C * dgamma_C + jnp.sum(dlog_ratio_CC, axis=1)
             - jnp.sum(dlog_ratio_CC, axis=0) - dlog_to_end_C
             + jnp.where(last_C, jnp.sum(dlog_to_end_C), 0.0))
-  dg_C = jnp.sum(jnp.where(row_CC >= col_CC, dcum_C[:, None], 0.0), axis=0)
-  return dq_CK, dk_CK, dg_C
-
-
-def wy_backward_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, dw_ref, du_ref, dv_ref, dk_ref,
-                       dbeta_ref, dcum_ref, *, use_qk_l2norm, chunk_size, exact):
-  """_wy_backward: dv and dbeta, and the partial dk and dG for attention_backward_kernel."""
-  store_dtype = dw_ref.dtype
-  gamma_C, _, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size, exact=exact)
-  dv_CV, dk_CK, dbeta_C, dcum_C = _wy_backward(
-      _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype), v_ref[...].astype(store_dtype),
-      beta_ref[...].astype(jnp.float32), gamma_C, decay_CC, x_ref[...], dw_ref[...], du_ref[...],
-      chunk_size=chunk_size, exact=exact)
-  dv_ref[...] = dv_CV.astype(dv_ref.dtype)
-  dk_ref[...] = dk_CK
-  dbeta_ref[...] = dbeta_C
-  dcum_ref[...] = dcum_C
-
-
-def attention_backward_kernel(q_ref, k_ref, g_ref, dkd_ref, dqg_ref, dp_ref, dk_wy_ref,
-                              dcum_wy_ref, dq_ref, dk_ref, dg_ref, *, scale, use_qk_l2norm,
-                              chunk_size, exact):
-  """_attention_backward from wy_backward_kernel's partial dk and dG: dq, dk and dg."""
-  store_dtype = dkd_ref.dtype
-  dq_CK, dk_CK, dg_C = _attention_backward(
-      q_ref[...], k_ref[...], _load_normalized(q_ref, scale, use_qk_l2norm, store_dtype),
-      _load_normalized(k_ref, 1.0, use_qk_l2norm, store_dtype),
-      *_decays(g_ref[...].astype(jnp.float32), chunk_size, exact=exact), dkd_ref[...],
-      dqg_ref[...], dp_ref[...], dk_wy_ref[...], dcum_wy_ref[...], scale=scale,
-      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, exact=exact)
-  dq_ref[...] = dq_CK.astype(dq_ref.dtype)
-  dk_ref[...] = dk_CK.astype(dk_ref.dtype)
-  dg_ref[...] = dg_C
+  dg_ref[...] = jnp.sum(jnp.where(row_CC >= col_CC, dcum_C[:, None], 0.0), axis=0)
