@@ -60,7 +60,7 @@ def inputs(seed, batch, seq_len, heads, dim):
       "beta_public": jax.nn.sigmoid(normal(public[:3], jnp.float32)),
       "g": jax.nn.log_sigmoid(3.0 + normal(token, jnp.float32)),
       "beta": jax.nn.sigmoid(normal(token, jnp.float32)),
-      "x": (x + jnp.eye(CHUNK)).reshape(batch, heads, seq_len, CHUNK),
+      "x": (x + jnp.eye(CHUNK)).reshape(batch, heads, seq_len, CHUNK).astype(jnp.bfloat16),
       "dw": normal(head_major), "du": normal(head_major), "dkd": normal(head_major),
       "dqg": normal(head_major), "dp": normal((batch, heads, seq_len, CHUNK)),
       "dk_wy": normal(public, jnp.float32), "dcum_wy": normal(token, jnp.float32),

@@ -15,7 +15,7 @@ again and writes w, u. The XLA preparation runs the same steps as separate XLA p
 head-major copies of q, k, v, with every [C, C] intermediate in memory.
 
 The backward mirrors this split (pallas_prepare_kernels.py): `wy_backward_kernel` takes the
-cotangents of w and u back through X (the forward's residual, float32) to A, and
+cotangents of w and u back through X (the forward's residual) to A, and
 `attention_backward_kernel` adds those of kd, qg and p and runs the l2norm's backward, writing
 dq, dk, dv in the public layout. (A first hand-written backward, one fused kernel after an
 in-kernel row-by-row inverse, measured 13.5 ms against ~4 ms for XLA's forward + backward on one
@@ -24,8 +24,9 @@ autodiff at 9.2-9.7 ms of a 13.4-14.1 ms GDN forward + backward at B4 T4096 H64.
 decay is one sum per chunk and stays in XLA (a Triton program cannot store one scalar).
 
 Precision as in pallas.py: float32 inputs use full-precision float32 dots; otherwise q, k, v and
-the outputs are bf16 with bf16 dot operands and float32 accumulation, while the decays, A and X
-stay float32 at full precision.
+the outputs are bf16 with bf16 dot operands and float32 accumulation, the decays and A stay
+float32, and the inverse runs in float32 with TF32 dots and stores X in bf16 (its consumers'
+dots take bf16 operands), as FLA's preparation does.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _specs(q, v, chunk_size):
 
 
 def _forward(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, exact, config):
-  """w, u, kd, qg, p and the inverse X (float32, the backward's residual) from padded q, k, v
-  `[B,Tp,H,*]` and head-major g, beta `[B,H,Tp]`."""
+  """w, u, kd, qg, p and the inverse X (the backward's residual; bf16 unless exact) from padded
+  q, k, v `[B,Tp,H,*]` and head-major g, beta `[B,H,Tp]`."""
   batch, padded_len, heads, key_dim = q.shape
   value_dim = v.shape[-1]
   store_dtype = jnp.float32 if exact else jnp.bfloat16
@@ -144,8 +145,8 @@ def wy_backward(k, v, g, beta, x, dw, du, *, use_qk_l2norm, chunk_size, exact, c
       in_specs=[specs["public_k"], specs["public_v"], specs["token"], specs["token"], specs["c"],
                 specs["k"], specs["v"]],
       out_specs=[specs["public_v"], specs["public_k"], specs["token"], specs["token"]],
-      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                 token, token],
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(k.shape, jnp.float32), token, token],
       name="gdn_prepare_wy_backward",
   )(k, v, g, beta, x, dw, du)
 

@@ -97,7 +97,7 @@ def wy_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, w_ref, u_ref, *, use_qk_l2no
   v_CV = v_ref[...].astype(store_dtype)
   beta_C = beta_ref[...].astype(jnp.float32)
   gamma_C = jnp.exp(_cumulative(g_ref[...].astype(jnp.float32), chunk_size))
-  t_CC = x_ref[...] * beta_C[None, :]
+  t_CC = x_ref[...].astype(jnp.float32) * beta_C[None, :]
   w_ref[...] = kernel_dot(t_CC * gamma_C[None, :], k_CK, exact=exact).astype(store_dtype)
   u_ref[...] = kernel_dot(t_CC, v_CV, exact=exact).astype(store_dtype)
 
@@ -132,7 +132,7 @@ def wy_backward_kernel(k_ref, v_ref, g_ref, beta_ref, x_ref, dw_ref, du_ref, dv_
   beta_C = beta_ref[...].astype(jnp.float32)
   gamma_C, _, decay_CC = _decays(g_ref[...].astype(jnp.float32), chunk_size, exact=exact)
   row_CC, col_CC = _masks(chunk_size)
-  x_CC = x_ref[...]
+  x_CC = x_ref[...].astype(jnp.float32)
   t_CC = x_CC * beta_C[None, :]
   # u first, so that v and du are dead before the [C, K] tiles of w's terms load.
   du_CV = du_ref[...]
