@@ -7,9 +7,9 @@ Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
       the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i).
       By default (a) runs as Pallas kernels per chunk instead, forward and backward
       (pallas_prepare.py, `fused_prepare=True`: no head-major copies, A and X the only [C, C]
-      float32 tensors in memory). Measured forward of (a) alone on one H100 (session 7), XLA /
-      kernels ms: B4 T4096 H64 K=V=128 3.51 / 2.70, B8 T4096 H8 K=V=256 1.42 / 1.34, K=V=128
-      1.00 / 0.91, B1 T16384 H8 0.64 / 0.51;
+      tensors in memory). Measured (a) alone on one H100 (session 8), forward + backward, XLA /
+      kernels ms: B4 T4096 H64 K=V=128 8.85 / 6.15, B8 T4096 H8 K=V=256 3.72 / 3.59, K=V=128
+      2.48 / 1.78, B1 T16384 H8 1.79 / 1.08 (forward alone 3.46 / 2.15 at B4 H64);
   (b) the sequential pass over chunks with the outputs fused in (Pallas, pallas_state_pass.py):
       v_new = u - w h, o = qg h + p v_new, h <- a h + kd^T v_new, keeping each program's state
       slice on chip (the per-chunk states never reach memory unless a gradient needs them).
@@ -19,8 +19,9 @@ custom_vjp). `prepare_scan_inputs` is also the reference the preparation kernels
 against.
 
 Precision: float32 inputs use float32 everywhere at full precision (the float32 tolerance); bf16
-inputs keep float32 states, accumulation and inverse but feed the matmuls bf16 operands and store
-w, u, kd, v_new and the per-chunk states in bf16, as FLA does.
+inputs keep float32 states and accumulation, compute the inverse in float32 with TF32 dots, feed
+the other matmuls bf16 operands and store X, w, u, kd, v_new and the per-chunk states in bf16, as
+FLA does.
 """
 
 from __future__ import annotations
