@@ -14,8 +14,8 @@
 #   bash tools/gpu_session.sh sweeps    # prefill and decode launch-parameter sweeps (~7 min)
 #   bash tools/gpu_session.sh confirm   # decode + attention ratios at 3 lengths, no FLA (~6 min)
 #   bash tools/gpu_session.sh prep      # GDN preparation kernels vs XLA, 4 shapes; FLA at B4 H64
-#   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~9 min)
-#   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 2, 3 (~9 min)
+#   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~6-9 min)
+#   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 3, 2 (~6-9 min)
 #   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
@@ -107,14 +107,16 @@ case "$stage" in
     step 250 python3 tools/compare_fla.py --quick --no-train --shapes 3 --out "$out/shape3"
     ;;
   gdn|gdn23)
-    # One shape per step: FLA autotunes on its first call per shape, and in session 5 (H100) two
-    # shapes in one 240 s step finished neither (B8 T4096 K=256 and K=128), one shape took ~150 s.
+    # One shape per step: FLA autotunes on its first call per shape. Measured on a fresh H100
+    # (session 8): B8 T4096 K=V=256 (shape 0) and B4 T4096 H64 (3) need ~240-300 s each with FLA,
+    # B8 T4096 K=V=128 (1) and B1 T16384 (2) ~100 s; a 265 s step cut shape 0 before FLA ran.
     # Each run writes <dir>/compare_fla.json after every result.
-    shapes=(0 1); [ "$stage" = gdn23 ] && shapes=(2 3)
+    shapes=(0 1); [ "$stage" = gdn23 ] && shapes=(3 2)
     [ -n "${GDN_SHAPES:-}" ] && read -ra shapes <<<"$GDN_SHAPES"  # e.g. GDN_SHAPES="2"
     for shape in "${shapes[@]}"; do
       mkdir -p "$out/shape$shape"
-      step 265 python3 tools/compare_fla.py --quick --shapes "$shape" --no-train \
+      limit=200; [[ "$shape" == 0 || "$shape" == 3 ]] && limit=330
+      step "$limit" python3 tools/compare_fla.py --quick --shapes "$shape" --no-train \
         --out "$out/shape$shape"
     done
     ;;
