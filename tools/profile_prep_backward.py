@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from pallas_kernels.benchmarking import median_ms
 from pallas_kernels.gated_delta_rule import pallas_prepare, pallas_prepare_kernels
+from compare_fla import SHAPES, make_inputs  # tools/ is the script's sys.path[0]
 
-SHAPES = ((8, 4096, 8, 256), (8, 4096, 8, 128), (1, 16384, 8, 128), (4, 4096, 64, 128))
 CHUNK = 64
 
 # Parts of the backward kernels that a variant replaces (module globals read at trace time).
@@ -49,21 +49,22 @@ def patched(replacements):
 
 
 def inputs(seed, batch, seq_len, heads, dim):
-  keys = iter(jax.random.split(jax.random.key(seed), 16))
+  """compare_fla's q, k, v, g, beta `[B,T,H,*]`, and the backward kernels' other inputs."""
+  public_inputs = make_inputs(seed, batch, seq_len, heads, dim)
+  keys = iter(jax.random.split(jax.random.key(seed + 1000), 16))
   normal = lambda shape, dtype=jnp.bfloat16: jax.random.normal(next(keys), shape).astype(dtype)
-  public, head_major = (batch, seq_len, heads, dim), (batch, heads, seq_len, dim)
-  token = (batch, heads, seq_len)
+  head_major, token = (batch, heads, seq_len, dim), (batch, heads, seq_len)
   x = jnp.tril(0.1 * normal((batch, heads, seq_len // CHUNK, CHUNK, CHUNK), jnp.float32), -1)
   return {
-      "q": normal(public), "k": normal(public), "v": normal(public),
-      "g_public": jax.nn.log_sigmoid(3.0 + normal(public[:3], jnp.float32)),
-      "beta_public": jax.nn.sigmoid(normal(public[:3], jnp.float32)),
-      "g": jax.nn.log_sigmoid(3.0 + normal(token, jnp.float32)),
-      "beta": jax.nn.sigmoid(normal(token, jnp.float32)),
+      "q": public_inputs["q"], "k": public_inputs["k"], "v": public_inputs["v"],
+      "g_public": public_inputs["g"], "beta_public": public_inputs["beta"],
+      "g": jnp.swapaxes(public_inputs["g"], 1, 2),
+      "beta": jnp.swapaxes(public_inputs["beta"], 1, 2).astype(jnp.float32),
       "x": (x + jnp.eye(CHUNK)).reshape(batch, heads, seq_len, CHUNK).astype(jnp.bfloat16),
       "dw": normal(head_major), "du": normal(head_major), "dkd": normal(head_major),
       "dqg": normal(head_major), "dp": normal((batch, heads, seq_len, CHUNK)),
-      "dk_wy": normal(public, jnp.float32), "dcum_wy": normal(token, jnp.float32),
+      "dk_wy": normal((batch, seq_len, heads, dim), jnp.float32),
+      "dcum_wy": normal(token, jnp.float32),
   }
 
 
