@@ -64,3 +64,57 @@ def run_for_seconds(timed: Timed, *, seconds: float) -> None:
   end = time.perf_counter() + seconds
   while time.perf_counter() < end:
     timed.one_pass()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTimes:
+  """Device time per pass of one profiled function, from the profiler's GPU stream events."""
+  wall_us: float  # host wall time per pass (dispatch to sync), profiler on
+  span_us: float  # first kernel start to last kernel end on the GPU, per pass
+  busy_us: float  # sum of kernel durations per pass (overlapping kernels counted twice)
+  kernels: dict[str, tuple[float, float]]  # kernel name -> (launches, device us) per pass
+
+
+def kernel_times_from_profile(profile, passes: int, wall_s: float) -> KernelTimes:
+  """Sums the kernel events of the GPU planes' stream lines of a `jax.profiler.ProfileData`."""
+  launches, durations_ps, starts, ends = {}, {}, [], []
+  for plane in profile.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):
+        continue  # the derived "XLA Ops"/"XLA Modules" lines repeat the stream's kernels
+      for event in line.events:
+        launches[event.name] = launches.get(event.name, 0) + 1
+        durations_ps[event.name] = durations_ps.get(event.name, 0) + event.duration_ns * 1e3
+        starts.append(event.start_ns)
+        ends.append(event.start_ns + event.duration_ns)
+  if not launches:
+    raise RuntimeError("the profile has no GPU kernel events (no GPU, or no CUPTI in this"
+                       " environment); planes: " + ", ".join(p.name for p in profile.planes))
+  kernels = {name: (launches[name] / passes, durations_ps[name] / 1e6 / passes)
+             for name in sorted(durations_ps, key=durations_ps.get, reverse=True)}
+  return KernelTimes(wall_us=wall_s * 1e6 / passes,
+                     span_us=(max(ends) - min(starts)) / 1e3 / passes,
+                     busy_us=sum(us for _, us in kernels.values()), kernels=kernels)
+
+
+def kernel_times(timed: Timed, *, passes: int, warmup: int = 2) -> KernelTimes:
+  """Per-kernel GPU time of `passes` passes of `timed`, traced with jax.profiler (CUPTI).
+
+  What wall-clock medians cannot tell apart: which kernels of a jitted call take the time, and
+  how much of the call the GPU is idle (launch gaps, host dispatch). Spans and walls include the
+  profiler's own overhead, so compare kernel times, not walls, with untraced runs.
+  """
+  import glob  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  for _ in range(warmup):
+    timed.one_pass()
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      wall_s = sum(timed.one_pass() for _ in range(passes))
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not files:
+      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
+    profile = jax.profiler.ProfileData.from_file(files[0])
+    return kernel_times_from_profile(profile, passes, wall_s)

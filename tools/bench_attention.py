@@ -176,17 +176,23 @@ def record(results, key, ms, anchor, paired_anchor_ms=None):
   print(f"  {' | '.join(key)} | {ms:.3f} ms | {ms / anchor_ms:.2f}x {anchor}{paired}", flush=True)
 
 
-def bench_jax(batch, length, args, results):
-  keys = jax.random.split(jax.random.key(0), 4 * 3 + 1)
+def input_sets(batch, length, sets=3):
+  """(forward sets (q, k, v, kept, key_valid), fwd+bwd sets (q, k, v, do, kept, key_valid)):
+  bf16 normals, `random_kept` columns shared by the sets, no padding."""
+  keys = jax.random.split(jax.random.key(0), 4 * sets + 1)
   normal = lambda key, heads: jax.random.normal(
       key, (batch, length, heads, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
   arg_sets = [(normal(keys[4 * i], NUM_Q_HEADS), normal(keys[4 * i + 1], NUM_KV_HEADS),
                normal(keys[4 * i + 2], NUM_KV_HEADS), normal(keys[4 * i + 3], NUM_Q_HEADS))
-              for i in range(3)]
+              for i in range(sets)]
   kept = random_kept(keys[-1], batch, length, NUM_KV_HEADS, LTE_KEPT)
   key_valid = jnp.ones((batch, length), bool)
-  fwd_sets = [(q, k, v, kept, key_valid) for q, k, v, _ in arg_sets]
-  bwd_sets = [(q, k, v, do, kept, key_valid) for q, k, v, do in arg_sets]
+  return ([(q, k, v, kept, key_valid) for q, k, v, _ in arg_sets],
+          [(q, k, v, do, kept, key_valid) for q, k, v, do in arg_sets])
+
+
+def bench_jax(batch, length, args, results):
+  fwd_sets, bwd_sets = input_sets(batch, length)
   shape = f"B{batch} T{length}"
   variants = jax_variants()
   if args.only:

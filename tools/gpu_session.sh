@@ -13,6 +13,7 @@
 #   bash tools/gpu_session.sh checks    # tiny-model checks (GDN, laLTE) and decode benchmark (~9 min)
 #   bash tools/gpu_session.sh sweeps    # prefill and decode launch-parameter sweeps (~7 min)
 #   bash tools/gpu_session.sh confirm   # decode + attention ratios at 3 lengths, no FLA (~6 min)
+#   bash tools/gpu_session.sh kprofile  # per-kernel GPU time of decode and attention (~5 min)
 #   bash tools/gpu_session.sh prep      # GDN preparation kernels vs XLA, 4 shapes; FLA at B4 H64
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~6-9 min)
 #   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 3, 2 (~6-9 min)
@@ -20,7 +21,7 @@
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
-stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|checks|sweeps|confirm|prep|gdn|gdn23|study|multigpu}
+stage=${1:?usage: tools/gpu_session.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|multigpu}
 out=${OUT:?OUT must name the directory that comes back}
 budget_s=${BUDGET_S:-540}  # stop new steps after this many seconds (calls are cut at 600)
 start=$(date +%s)
@@ -96,6 +97,11 @@ case "$stage" in
     step 90 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
     step 240 python3 tools/bench_attention.py --no-checks --no-fla --iters 10 \
       --only "SWA-1024" "LTE train (" "LTE prefill (" --json "$out/attention.json"
+    ;;
+  kprofile)
+    # Per-kernel GPU time (jax.profiler) of decode at both caches and of the attention targets at
+    # 4K and 16K: which kernels of a call take the time, and how long the GPU idles between them.
+    step 400 python3 tools/profile_kernels.py --json "$out/profile_kernels.json"
     ;;
   prep)
     # The per-chunk preparation kernels (the default; forward and forward + backward) next to the

@@ -32,11 +32,11 @@ def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head,
   q_slice = pl.ds(q_tile * block_q, block_q)
   q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
   lse, delta = lse_ref[head, q_slice], delta_ref[head, q_slice]
-  s = dot_nt(q, k) * (problem.scale * LOG2_E)
+  # qk * scale - lse is one fused multiply-add per score; the mask then selects (see the forward).
+  p = jnp.exp2(dot_nt(q, k) * (problem.scale * LOG2_E) - lse[:, None])
   if mask_fn is not None:
     query_pos = problem.query_offset + q_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    s = jnp.where(mask_fn(query_pos), s, -jnp.inf)
-  p = jnp.exp2(s - lse[:, None])
+    p = jnp.where(mask_fn(query_pos), p, 0.0)
   dv = dv + dot_tn(p.astype(do.dtype), do)
   ds = p * (dot_nt(do, v) - delta[:, None])
   dk = dk + dot_tn(ds.astype(q.dtype), q)

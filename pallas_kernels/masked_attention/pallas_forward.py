@@ -124,14 +124,18 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
 
   def visit(carry, k, v, mask):
     acc, row_max, row_sum = carry
-    s = dot_nt(q, k) * score_scale
+    qk = dot_nt(q, k)
     if mask is not None:
-      s = jnp.where(mask, s, -jnp.inf)
-    new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+      qk = jnp.where(mask, qk, -jnp.inf)
+    # The scale is applied to the row maxima and inside exp2's argument, where qk * scale - shift
+    # is one fused multiply-add per score: at D = 64 the softmax's per-score instructions, not the
+    # dots, bound the kernel (FlashAttention-3's observation), and a separate scaling pass is one
+    # more instruction per score (scale > 0, so max(qk) * scale = max(qk * scale)).
+    new_max = jnp.maximum(row_max, jnp.max(qk, axis=1) * score_scale)
     # A row that has seen no visible key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
     shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if mask is not None else new_max
     correction = jnp.exp2(row_max - shift)
-    p = jnp.exp2(s - shift[:, None])
+    p = jnp.exp2(qk * score_scale - shift[:, None])
     row_sum = row_sum * correction + jnp.sum(p, axis=1)
     acc = acc * correction[:, None] + dot_nn(p.astype(v.dtype), v)
     return acc, new_max, row_sum
@@ -160,10 +164,9 @@ def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   score_scale = problem.scale * LOG2_E
 
   def visit(dq, k, v, mask):
-    s = dot_nt(q, k) * score_scale
+    p = jnp.exp2(dot_nt(q, k) * score_scale - lse[:, None])  # one fused multiply-add per score
     if mask is not None:
-      s = jnp.where(mask, s, -jnp.inf)
-    p = jnp.exp2(s - lse[:, None])
+      p = jnp.where(mask, p, 0.0)
     ds = p * (dot_nt(do, v) - delta[:, None])
     return dq + dot_nn(ds.astype(k.dtype), k)
 

@@ -1,6 +1,8 @@
 """pallas_kernels.benchmarking: the kernel benchmarks' timing (CPU)."""
 
+import jax
 import jax.numpy as jnp
+import pytest
 
 from pallas_kernels import benchmarking
 
@@ -22,3 +24,43 @@ def test_median_ms_syncs_every_call():
   ms = benchmarking.median_ms(lambda x: x * 2, [(jnp.float32(1),), (jnp.float32(2),)], warmup=2,
                               repeats=3, sync=synced.append)
   assert ms >= 0 and [float(x) for x in synced] == [2.0, 4.0, 2.0, 4.0, 2.0]
+
+
+# Two kernels on one GPU stream, the derived "XLA Ops" line (a repeat of the stream's kernels, to be
+# ignored) and a host plane, as a 2-pass CUPTI trace would have them.
+GPU_TRACE = """
+planes { name: "/device:GPU:0"
+  lines { name: "Stream #1(Compute)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 }
+    events { metadata_id: 2 offset_ps: 6000000 duration_ps: 2000000 }
+    events { metadata_id: 1 offset_ps: 9000000 duration_ps: 5000000 } }
+  lines { name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 } }
+  event_metadata { key: 1 value { id: 1 name: "decode_attention" } }
+  event_metadata { key: 2 value { id: 2 name: "fusion" } } }
+planes { name: "/host:CPU" }
+"""
+
+
+def test_kernel_times_from_profile_sums_stream_kernels_per_pass():
+  profile = jax.profiler.ProfileData.from_serialized_xspace(
+      jax.profiler.ProfileData.text_proto_to_serialized_xspace(GPU_TRACE))
+  times = benchmarking.kernel_times_from_profile(profile, passes=2, wall_s=1e-3)
+  # Largest first; per pass: 2 x 5 us of decode_attention / 2, one 2 us fusion / 2.
+  assert list(times.kernels.items()) == [("decode_attention", (1.0, 5.0)), ("fusion", (0.5, 1.0))]
+  assert times.busy_us == 6.0
+  assert times.span_us == 7.0  # 0 .. 14 us over two passes
+  assert times.wall_us == 500.0
+
+
+def test_kernel_times_names_the_planes_when_there_are_no_gpu_kernels():
+  profile = jax.profiler.ProfileData.from_serialized_xspace(
+      jax.profiler.ProfileData.text_proto_to_serialized_xspace('planes { name: "/host:CPU" }'))
+  with pytest.raises(RuntimeError, match="no GPU kernel events.*/host:CPU"):
+    benchmarking.kernel_times_from_profile(profile, passes=1, wall_s=1.0)
+
+
+def test_kernel_times_traces_a_real_run_on_cpu_and_reports_no_gpu():
+  timed = benchmarking.Timed(jax.jit(lambda x: x * 2), [(jnp.ones(8),)])
+  with pytest.raises(RuntimeError, match="no GPU kernel events"):
+    benchmarking.kernel_times(timed, passes=1, warmup=1)
