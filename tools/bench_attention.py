@@ -42,6 +42,13 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
 # blocks only (SWA-1024 "fwd+bwd"); SWEEP_TRAIN is timed "fwd+bwd" on the LTE training call.
 SWEEP_FORWARD = (
     BlockSizes(),
+    # 64 x 128 tiles on one warpgroup: the tile of cuDNN's SWA forward kernel on an H100 (its
+    # name in a profile, session 9: ..._flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1).
+    BlockSizes(block_k=128),
+    BlockSizes(block_k=128, num_stages=2),
+    BlockSizes(block_k=128, num_stages=4),
+    BlockSizes(block_k=128, num_warps=8),
+    BlockSizes(num_stages=4),
     BlockSizes(block_q=128, block_k=128, num_warps=8),
     BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     BlockSizes(block_q=128, block_k=32, num_stages=3),
@@ -135,6 +142,9 @@ def jax_variants(block_sizes=None):
                       window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill (769 + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      # The prefill's window part alone: what the kept list adds to the prefill is the difference.
+      "ours SWA-769 (the prefill without its kept list)": (
+          ours(window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
       # BlockSizes.gather_kept_in_kernel: no [B, S, Hkv, D] copies of the kept K/V in training
       # (a prefill call always reads them by position).
       "ours LTE train (769 + 4 sinks + 256 kept), K/V by position in kernel": (

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import get_model_config
-from pallas_kernels.benchmarking import Timed, median_ms, paired_ms
+from pallas_kernels.benchmarking import Timed, kernel_times, median_ms, paired_ms
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 
@@ -68,9 +68,8 @@ def attention_case(preset: str, batch: int, sets: int, key):
   return (qs, ks, vs, length, valid), moved
 
 
-def time_attention(inputs, implementation, block_sizes, repeats, copy=None):
-  """Seconds per decode call; with copy (`copy_case()[0]`), (that, seconds per copy) timed in
-  alternation (pallas_kernels.benchmarking.paired_ms)."""
+def attention_timed(inputs, implementation, block_sizes) -> Timed:
+  """One jitted call that attends over every input set's cache (one pass = len(qs) decode calls)."""
   qs, ks, vs, length, valid = inputs
 
   @jax.jit
@@ -78,11 +77,22 @@ def time_attention(inputs, implementation, block_sizes, repeats, copy=None):
     return [decode_attention(q, k, v, length_BK=length, key_valid=valid,
                              implementation=implementation, block_sizes=block_sizes)
             for q, k, v in zip(qs, ks, vs)]
+  return Timed(run_all, [inputs])
+
+
+def time_attention(inputs, implementation, block_sizes, repeats, copy=None):
+  """Seconds per decode call; with copy (`copy_case()[0]`), (that, seconds per copy) timed in
+  alternation (pallas_kernels.benchmarking.paired_ms)."""
+  timed, calls = attention_timed(inputs, implementation, block_sizes), len(inputs[0])
   if copy is None:
-    return median_seconds(run_all, (qs, ks, vs, length, valid), repeats) / len(qs)
-  attention_ms, copy_ms = paired_ms(Timed(run_all, [(qs, ks, vs, length, valid)]), copy,
-                                    warmup=3, rounds=repeats)
-  return attention_ms / 1e3 / len(qs), copy_ms / 1e3
+    return median_seconds(timed.fn, timed.input_sets[0], repeats) / calls
+  attention_ms, copy_ms = paired_ms(timed, copy, warmup=3, rounds=repeats)
+  return attention_ms / 1e3 / calls, copy_ms / 1e3
+
+
+def device_seconds(timed: Timed, calls_per_pass: int, passes: int = 5) -> float:
+  """GPU kernel seconds per call (every kernel of the call, from a profiler trace)."""
+  return kernel_times(timed, passes=passes).busy_us / 1e6 / calls_per_pass
 
 
 def check_parity(inputs, window):
@@ -175,8 +185,15 @@ def main(argv=None) -> int:
                                  num_splits=s, num_warps=w) for s, w in ((4, 4), (8, 4), (8, 8))]
   results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": [],
              "compaction": []}
+  # GPU time (kernels only, from profiler traces) next to wall time: in session 9 the decode
+  # kernels of a B32 1.4b call ran 36 us of a ~73 us wall per call; the rest is the GPU idle.
+  on_gpu = jax.default_backend() == "gpu"
+  copy_gpu_gbs = copy_bytes / device_seconds(copy, 1) / 1e9 if on_gpu else float("nan")
+  results["copy_GBps_gpu_time"] = copy_gpu_gbs
+  print(f"copy bandwidth by GPU kernel time: {copy_gpu_gbs:.0f} GB/s")
   header = ("| cache | pallas config | us/call | GB/s | / copy | copy GB/s (paired) | xla us/call |"
-            " rel err vs xla |\n|---|---|---|---|---|---|---|---|")
+            " rel err vs xla | GPU us/call | GPU GB/s / copy GPU GB/s |"
+            "\n|---|---|---|---|---|---|---|---|---|---|")
   print(header)
   rows = []
   for preset in args.presets:
@@ -201,13 +218,19 @@ def main(argv=None) -> int:
         print(f"| {preset} B{args.batch} | {label} | FAILED {str(error)[:300]} |", flush=True)
         continue
       gbs, paired_copy_gbs = moved / seconds / 1e9, copy_bytes / copy_s / 1e9
+      gpu_s = float("nan")
+      if on_gpu:
+        gpu_s = device_seconds(attention_timed(inputs if mask else inputs[:4] + (None,),
+                                               "pallas", block_sizes), args.sets)
+      gpu_ratio = moved / gpu_s / 1e9 / copy_gpu_gbs
       results["attention"].append(dict(preset=preset, config=label, us=seconds * 1e6,
                                        GBps=gbs, ratio=gbs / paired_copy_gbs,
                                        copy_GBps_paired=paired_copy_gbs, xla_us=xla_s * 1e6,
-                                       parity_rel_err=error, bytes=moved))
+                                       parity_rel_err=error, bytes=moved, gpu_us=gpu_s * 1e6,
+                                       gpu_time_ratio=gpu_ratio))
       rows.append(f"| {preset} B{args.batch} | {label} | {seconds * 1e6:.1f} | {gbs:.0f} |"
                   f" {gbs / paired_copy_gbs:.2f} | {paired_copy_gbs:.0f} | {xla_s * 1e6:.1f} |"
-                  f" {error:.1e} |")
+                  f" {error:.1e} | {gpu_s * 1e6:.1f} | {gpu_ratio:.2f} |")
       print(rows[-1], flush=True)
     for implementation in ("xla", "pallas"):
       seconds = time_cache_step(preset, args.batch, implementation, args.repeats)

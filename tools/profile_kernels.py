@@ -36,13 +36,15 @@ DECODE_CONFIGS = {
     "default, no key_valid": (None, False),
     "1 split, 128 slots, 2 stages": (DecodeBlockSizes(block_slots=128, num_splits=1,
                                                       num_stages=2), True),
-    "2 splits, 64 slots": (DecodeBlockSizes(num_splits=2), True),
-    "4 splits, 64 slots": (DecodeBlockSizes(num_splits=4), True),
+    "2 splits, 64 slots (the default before session 9)": (
+        DecodeBlockSizes(block_slots=64, num_splits=2), True),
+    "4 splits, 64 slots": (DecodeBlockSizes(block_slots=64, num_splits=4), True),
 }
 ATTENTION_CASES = (  # (variant of bench_attention.jax_variants, mode)
     ("cuDNN SWA-1024", "fwd"),
     ("ours SWA-1024", "fwd"),
     ("ours LTE prefill (769 + 256 kept)", "fwd"),
+    ("ours SWA-769 (the prefill without its kept list)", "fwd"),
     ("cuDNN SWA-1024", "fwd+bwd"),
     ("ours SWA-1024", "fwd+bwd"),
     ("ours LTE train (769 + 4 sinks + 256 kept)", "fwd+bwd"),
