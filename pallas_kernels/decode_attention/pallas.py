@@ -34,14 +34,17 @@ EMPTY_MAX = -1e30
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
   """Tiling of the slot axis. num_splits None: enough programs to fill the GPU (see `splits`)."""
-  # Defaults from the sweep in docs/benchmarks.md (H200, B32): 64 slots and 3 stages were the best
-  # or within noise of it at both model shapes; 512 programs gave 2 splits at 1.4b (Hkv 8) and 1 at
-  # 0.4b (Hkv 16), the best split counts measured there.
-  block_slots: int = 64
+  # Defaults from the session-9 sweep on one H100 (B32, lalte-1.4b cache, GPU kernel time from a
+  # profiler trace, docs/benchmarks.md): 128 slots, 3 stages and one split (256 programs) took
+  # 34.0 us per call, against 37.0 for 64 slots and 2 splits (the earlier default, chosen by wall
+  # time on an H200) whose second kernel (the split combine) is one more launch per call.
+  block_slots: int = 128
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 3
-  target_programs: int = 512  # ~4 resident programs on each of H100/H200's 132 SMs
+  # Programs to aim for with the splits: B32 gives one split at both model caches (256 programs at
+  # Hkv 8, 512 at Hkv 16); a small batch splits the slots to fill the GPU's 132 SMs.
+  target_programs: int = 256
   # KV heads read by one program (each step loads this many heads' rows of the same slots, i.e.
   # one contiguous [block_slots, heads, D] slab when it is Hkv, instead of 128-byte rows strided by
   # Hkv * D). Reduced to the largest divisor of Hkv not above it.
