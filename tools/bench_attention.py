@@ -186,6 +186,11 @@ def record(results, key, ms, anchor, paired_anchor_ms=None):
   print(f"  {' | '.join(key)} | {ms:.3f} ms | {ms / anchor_ms:.2f}x {anchor}{paired}", flush=True)
 
 
+def selected(name: str, only) -> bool:
+  """--only: a word selects the names that contain it; "=NAME" selects NAME alone."""
+  return any(name == word[1:] if word.startswith("=") else word in name for word in only)
+
+
 def input_sets(batch, length, sets=3):
   """(forward sets (q, k, v, kept, key_valid), fwd+bwd sets (q, k, v, do, kept, key_valid)):
   bf16 normals, `random_kept` columns shared by the sets, no padding."""
@@ -207,7 +212,7 @@ def bench_jax(batch, length, args, results):
   variants = jax_variants()
   if args.only:
     variants = {name: value for name, value in variants.items()
-                if any(word in name for word in args.only)}
+                if selected(name, args.only)}
   modes = {name: ("fwd", "fwd+bwd") for name in variants}
   if args.sweep:
     variants = {"cuDNN SWA-1024": jax_variants()["cuDNN SWA-1024"]}
@@ -221,7 +226,7 @@ def bench_jax(batch, length, args, results):
         changed = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)
                    if getattr(blocks, f.name) != f.default}
         name = f"{base} {changed or 'defaults'}"
-        if args.only and not any(word in name for word in args.only):
+        if args.only and not selected(name, args.only):
           continue
         variants[name] = (jax_variants(blocks)[base][0], "cuDNN SWA-1024")
         modes[name] = modes.get(name, ()) + (tag,)
@@ -262,7 +267,7 @@ def bench_fla(batch, length, args, results):
   sync = lambda _: torch.cuda.synchronize()
   for window, name, anchor in ((SWA_WINDOW, "FLA SWA-1024", "cuDNN SWA-1024"),
                                (None, "FLA causal", "cuDNN causal")):
-    if args.only and not any(word in name for word in args.only):
+    if args.only and not selected(name, args.only):
       continue
     def fwd(q, k, v, window=window):
       with torch.no_grad():
@@ -382,7 +387,8 @@ def main(argv=None) -> int:
   parser.add_argument("--lengths", type=int, nargs="*",
                       help="only these T of SHAPES (B8 T4096, B4 T8192, B2 T16384)")
   parser.add_argument("--only", nargs="*", help="only variants whose name contains one of these"
-                      " (with --sweep: only those candidates; cuDNN SWA-1024 is always timed)")
+                      " or, for a word '=NAME', is NAME (with --sweep: only those candidates;"
+                      " cuDNN SWA-1024 is always timed)")
   parser.add_argument("--no-checks", action="store_true", help="skip parity and model checks")
   parser.add_argument("--json", help="also write every timing here (tools/plot_results.py"
                       " --kernel-bench draws time against sequence length from it)")

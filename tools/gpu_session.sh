@@ -96,7 +96,8 @@ case "$stage" in
     # then SWA, LTE training and LTE prefill at the three lengths (no FLA, no checks).
     step 90 python3 tools/bench_decode_attention.py --repeats 20 --json "$out/decode.json"
     step 240 python3 tools/bench_attention.py --no-checks --no-fla --iters 10 \
-      --only "SWA-1024" "LTE train (" "LTE prefill (" --json "$out/attention.json"
+      --only "SWA-1024" "=ours LTE train (769 + 4 sinks + 256 kept)" "LTE prefill (" \
+      --json "$out/attention.json"
     ;;
   kprofile)
     # Per-kernel GPU time (jax.profiler) of decode at both caches and of the attention targets at

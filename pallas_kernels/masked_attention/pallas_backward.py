@@ -63,8 +63,8 @@ def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):
     carry = lax.fori_loop(interior_start, interior_end, lambda t, c: step(c, t, None), carry)
     carry = lax.fori_loop(interior_end, end, lambda t, c: step(c, t, mask_fn), carry)
   dk, dv = carry
-  dk_ref[...] = dk * problem.scale
-  dv_ref[...] = dv
+  dk_ref[...] = (dk * problem.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _kept_tile_dkdv(problem, block_q, refs, entry_slice, first, end):
@@ -125,10 +125,10 @@ def _per_kv_head_specs(problem: Problem):
 
 
 def _dkdv_call(problem: Problem, blocks: BlockSizes, kernel, *, tiles: int, in_specs, out_spec,
-               out_shape, name: str, **kwargs):
-  """The pallas_call of a dk/dv kernel: grid (tiles, batch, KV head), outputs (dk, dv) float32 of
-  out_shape, both with out_spec; kwargs go to pl.pallas_call."""
-  shape = jax.ShapeDtypeStruct(out_shape, jnp.float32)
+               out_shape, name: str, out_dtype=jnp.float32, **kwargs):
+  """The pallas_call of a dk/dv kernel: grid (tiles, batch, KV head), outputs (dk, dv) of
+  out_shape and out_dtype, both with out_spec; kwargs go to pl.pallas_call."""
+  shape = jax.ShapeDtypeStruct(out_shape, out_dtype)
   return pl.pallas_call(
       kernel,
       grid=(tiles, out_shape[0], problem.num_kv_heads),
@@ -147,8 +147,9 @@ def _key_tile_spec(problem: Problem, block_k: int):
 
 
 def backward_dkdv_window(problem: Problem, blocks: BlockSizes, q, k, v, do, lse, delta,
-                         key_valid):
-  """float32 (dk, dv) [B, Sp, Hkv, D] from the window (and causal) pairs."""
+                         key_valid, out_dtype=jnp.float32):
+  """(dk, dv) [B, Sp, Hkv, D] in out_dtype from the window (and causal) pairs (accumulated in
+  float32)."""
   block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
   rows, stats = _per_kv_head_specs(problem)
   key_tile = _key_tile_spec(problem, block_k)
@@ -161,7 +162,7 @@ def backward_dkdv_window(problem: Problem, blocks: BlockSizes, q, k, v, do, lse,
       problem, blocks,
       functools.partial(_dkdv_window_kernel, problem=problem, block_q=block_q, block_k=block_k),
       tiles=problem.padded_key_len // block_k, in_specs=in_specs, out_spec=key_tile,
-      out_shape=k.shape, name="masked_attention_dkdv_window")(*inputs)
+      out_shape=k.shape, out_dtype=out_dtype, name="masked_attention_dkdv_window")(*inputs)
 
 
 def backward_dkdv_kept(problem: Problem, blocks: BlockSizes, q, do, lse, delta, kept,

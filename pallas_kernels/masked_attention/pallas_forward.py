@@ -163,12 +163,17 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
 
 
 def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
-  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), key_valid_ref, kept_refs, (dq_ref,) = _unpack(
-      refs, problem, 3)
+  (q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref), key_valid_ref, kept_refs, (dq_ref, delta_ref) = (
+      _unpack(refs, problem, 3))
   num_q_tiles = problem.padded_query_len // block_q
   q_start = (num_q_tiles - 1 - pl.program_id(0)) * block_q
   q, do = q_ref[...], do_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]
+  lse = lse_ref[...]
+  # delta_i = sum_d o_id do_id = sum_j p_ij dp_ij, the softmax gradient's row term, computed where
+  # do is loaded anyway and written for the dk/dv kernels (a separate XLA reduction read o and do
+  # once more: 95 us of a 4 ms SWA fwd+bwd at B2 T16384, session 9).
+  delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+  delta_ref[...] = delta
   score_scale = problem.scale * LOG2_E
 
   def visit(dq, k, v, mask):
@@ -198,9 +203,8 @@ def _query_major_specs(problem: Problem, block_q: int, with_backward_inputs: boo
   whole_kv = pl.BlockSpec((None, problem.padded_key_len, None, head_dim),
                           lambda i, b, h: (b, 0, kv_head(h), 0))
   specs = [rows_spec, whole_kv, whole_kv]
-  if with_backward_inputs:
-    stat_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, num_q_tiles - 1 - i))
-    specs += [rows_spec, stat_spec, stat_spec]
+  if with_backward_inputs:  # do, o, lse
+    specs += [rows_spec, rows_spec, _stat_spec(problem, block_q)]
   if key_valid is not None:
     specs.append(pl.BlockSpec((None, problem.padded_key_len), lambda i, b, h: (b, 0)))
   if kept is not None:
@@ -216,6 +220,12 @@ def _query_major_specs(problem: Problem, block_q: int, with_backward_inputs: boo
       ]
     specs.append(pl.BlockSpec((None, None, capacity), lambda i, b, h: (b, kv_head(h), 0)))
   return specs
+
+
+def _stat_spec(problem: Problem, block_q: int):
+  """One query tile of a per-row statistic [B, Hq, Tp] (lse, delta); grid (tile, batch, head)."""
+  num_q_tiles = problem.padded_query_len // block_q
+  return pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, num_q_tiles - 1 - i))
 
 
 def _rows_spec(problem: Problem, block_q: int, group_rows: int):
@@ -288,9 +298,9 @@ def forward(problem: Problem, blocks: BlockSizes, q, k, v, key_valid, kept, coun
   return o, lse
 
 
-def backward_dq(problem: Problem, blocks: BlockSizes, q, k, v, do, lse, delta, key_valid, kept,
+def backward_dq(problem: Problem, blocks: BlockSizes, q, k, v, do, o, lse, key_valid, kept,
                 counts):
-  """dq [B, Tp, Hq, D] in q's dtype."""
+  """(dq [B, Tp, Hq, D] in q's dtype, delta [B, Hq, Tp] float32: sum_d o * do per row)."""
   batch = q.shape[0]
   block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
   num_q_tiles = problem.padded_query_len // block_q
@@ -300,9 +310,11 @@ def backward_dq(problem: Problem, blocks: BlockSizes, q, k, v, do, lse, delta, k
       functools.partial(_dq_kernel, problem=problem, block_q=block_q, block_k=block_k),
       grid=(num_q_tiles, batch, problem.num_q_heads),
       in_specs=_query_major_specs(problem, block_q, True, key_valid, kept),
-      out_specs=rows_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_specs=[rows_spec, _stat_spec(problem, block_q)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, problem.num_q_heads, problem.padded_query_len),
+                                      jnp.float32)],
       compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
       interpret=problem.interpret,
       name="masked_attention_dq",
-  )(q, k, v, do, lse, delta, *_tail_inputs(key_valid, kept, counts))
+  )(q, k, v, do, o, lse, *_tail_inputs(key_valid, kept, counts))

@@ -26,3 +26,11 @@ def test_ratios_use_the_paired_anchor_time_when_there_is_one(tmp_path):
   bench.write_json(str(path), results, ["--quick"])
   ratios = {t["kernel"]: t["ratio"] for t in json.loads(path.read_text())["timings"]}
   assert ratios == {"cuDNN SWA-1024": 1.0, "ours paired": 2.0, "FLA unpaired": 1.5}
+
+
+def test_only_selects_by_substring_or_exact_name():
+  bench = _load_module()
+  names = list(bench.jax_variants())
+  lte = "ours LTE train (769 + 4 sinks + 256 kept)"
+  assert [n for n in names if bench.selected(n, ["=" + lte])] == [lte]
+  assert len([n for n in names if bench.selected(n, ["LTE train ("])]) > 1
