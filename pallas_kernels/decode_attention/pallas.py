@@ -33,17 +33,18 @@ EMPTY_MAX = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-  """Tiling of the slot axis. num_splits None: enough programs to fill the GPU (see `splits`)."""
-  # Defaults from the session-9 sweep on one H100 (B32, lalte-1.4b cache, GPU kernel time from a
-  # profiler trace, docs/benchmarks.md): 128 slots, 3 stages and one split (256 programs) took
-  # 34.0 us per call, against 37.0 for 64 slots and 2 splits (the earlier default, chosen by wall
-  # time on an H200) whose second kernel (the split combine) is one more launch per call.
-  block_slots: int = 128
-  num_splits: int | None = None
+  """Tiling of the slot axis. None fields are chosen per call (`slots_and_splits`)."""
+  # block_slots None: 128 slots per step when the grid fits on the GPU at 2 programs per SM (a
+  # 128-slot, 3-stage program holds 96 KiB of shared memory), else 64 (4 per SM). Session 9 on one
+  # H100, B32, GPU kernel time from profiler traces (docs/benchmarks.md): lalte-1.4b (256
+  # programs) 34.0 us at 128 slots against 37.0 at 64 with 2 splits (the earlier default); lalte-0.4b
+  # (512 programs) 62.1 us at 64 slots against 68.2 at 128, whose 512 programs need two waves.
+  block_slots: int | None = None
+  num_splits: int | None = None  # None: enough programs to reach target_programs
   num_warps: int = 4
   num_stages: int = 3
-  # Programs to aim for with the splits: B32 gives one split at both model caches (256 programs at
-  # Hkv 8, 512 at Hkv 16); a small batch splits the slots to fill the GPU's 132 SMs.
+  # B32 gives one split at both model caches (256 programs at Hkv 8, 512 at Hkv 16); a small batch
+  # splits the slots (each split one more partial softmax for the combine step).
   target_programs: int = 256
   # KV heads read by one program (each step loads this many heads' rows of the same slots, i.e.
   # one contiguous [block_slots, heads, D] slab when it is Hkv, instead of 128-byte rows strided by
@@ -51,9 +52,10 @@ class DecodeBlockSizes:
   kv_heads_per_program: int = 1
 
   def __post_init__(self):
-    if self.block_slots < MIN_DOT_DIM or self.block_slots & (self.block_slots - 1):
-      raise ValueError(f"DecodeBlockSizes.block_slots must be a power of two >= {MIN_DOT_DIM},"
-                       f" got {self.block_slots}")
+    if self.block_slots is not None and (self.block_slots < MIN_DOT_DIM
+                                         or self.block_slots & (self.block_slots - 1)):
+      raise ValueError(f"DecodeBlockSizes.block_slots must be None or a power of two >="
+                       f" {MIN_DOT_DIM}, got {self.block_slots}")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"DecodeBlockSizes.num_splits must be >= 1 or None, got {self.num_splits}")
     for name in ("num_warps", "num_stages", "target_programs", "kv_heads_per_program"):
@@ -66,12 +68,27 @@ class DecodeBlockSizes:
       heads -= 1
     return heads
 
-  def splits(self, batch: int, num_kv_heads: int, num_slots: int) -> int:
-    blocks = pl.cdiv(num_slots, self.block_slots)
-    if self.num_splits is not None:
-      return min(self.num_splits, blocks)
+  def slots_and_splits(self, batch: int, num_kv_heads: int, num_slots: int,
+                       num_cores: int = 132) -> tuple[int, int]:
+    """(slots per step, splits of the slot axis) for one call on a GPU of num_cores SMs."""
     head_programs = num_kv_heads // self.heads_per_program(num_kv_heads)
-    return max(1, min(blocks, pl.cdiv(self.target_programs, batch * head_programs)))
+
+    def splits(block_slots):
+      blocks = pl.cdiv(num_slots, block_slots)
+      if self.num_splits is not None:
+        return min(self.num_splits, blocks)
+      return max(1, min(blocks, pl.cdiv(self.target_programs, batch * head_programs)))
+
+    if self.block_slots is not None:
+      return self.block_slots, splits(self.block_slots)
+    fits_at_two_per_core = batch * head_programs * splits(128) <= 2 * num_cores
+    block_slots = 128 if fits_at_two_per_core else 64
+    return block_slots, splits(block_slots)
+
+
+def _num_cores() -> int:
+  """SMs of the default GPU (132 on H100/H200 SXM when unknown, e.g. in interpret mode)."""
+  return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -194,8 +211,8 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
   group = num_q_heads // num_kv_heads
   group_pad = max(MIN_DOT_DIM, pl.next_power_of_2(group))
   heads_per_program = block_sizes.heads_per_program(num_kv_heads)
-  splits = block_sizes.splits(batch, num_kv_heads, num_slots)
-  blocks_per_split = pl.cdiv(pl.cdiv(num_slots, block_sizes.block_slots), splits)
+  block_slots, splits = block_sizes.slots_and_splits(batch, num_kv_heads, num_slots, _num_cores())
+  blocks_per_split = pl.cdiv(pl.cdiv(num_slots, block_slots), splits)
 
   # Clamping to N makes `slot < length` the only bounds check the kernel needs.
   if length_BK is None:
@@ -220,7 +237,7 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
       _decode_kernel, has_valid=key_valid is not None,
       valid_per_head=key_valid is not None and key_valid.ndim == 3, group=group,
       group_pad=group_pad, heads_per_program=heads_per_program,
-      block_slots=block_sizes.block_slots,
+      block_slots=block_slots,
       blocks_per_split=blocks_per_split, scale=float(scale), final=final, precision=precision)
   result = pl.pallas_call(
       kernel,

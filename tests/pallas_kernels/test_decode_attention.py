@@ -141,3 +141,17 @@ def test_compiled_kernel_at_model_shapes(num_q_heads, num_kv_heads, dtype, block
   # The LTE cache of the 1.4b / 0.4b presets: 769 ring + 512 compacted slots, D 64.
   _check_pallas(5, dtype, block_sizes, batch=4, num_slots=1281, num_q_heads=num_q_heads,
                 num_kv_heads=num_kv_heads, head_dim=64)
+
+
+def test_block_slots_follow_whether_the_grid_fits_at_two_programs_per_core():
+  sizes = DecodeBlockSizes()
+  # B32: lalte-1.4b (Hkv 8, 256 programs) fits on 132 cores at 2 per core, lalte-0.4b (512) not.
+  assert sizes.slots_and_splits(32, 8, 1281, num_cores=132) == (128, 1)
+  assert sizes.slots_and_splits(32, 16, 1281, num_cores=132) == (64, 1)
+  # One sequence: the slots split to reach target_programs (at most one block per split).
+  assert sizes.slots_and_splits(1, 8, 1281, num_cores=132) == (128, 11)
+  assert sizes.slots_and_splits(1, 8, 1281, num_cores=4) == (64, 21)
+  explicit = DecodeBlockSizes(block_slots=32, num_splits=3)
+  assert explicit.slots_and_splits(32, 16, 1281, num_cores=132) == (32, 3)
+  with pytest.raises(ValueError, match="block_slots"):
+    DecodeBlockSizes(block_slots=48)
