@@ -62,10 +62,6 @@ SWEEP_FORWARD = (
 )
 # Prefill only: the kept list read by position inside the kernel (no XLA gather of K/V copies).
 SWEEP_PREFILL = (
-    # Kept tiles in their own two loops after the window (before session 9's merged loop).
-    BlockSizes(merge_kept_loop=False),
-    BlockSizes(num_stages=2),
-    BlockSizes(num_stages=2, merge_kept_loop=False),
     BlockSizes(gather_kept_in_kernel=True),
     BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=16, block_k=64),
     BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=32, block_k=64, num_warps=8),

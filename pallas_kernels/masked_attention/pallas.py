@@ -136,8 +136,7 @@ def masked_attention(
       padded_key_len=padded_key_len, head_dim=head_dim, num_q_heads=num_q_heads,
       num_kv_heads=num_kv_heads, window_size=window_size, has_kept_list=has_kept_list,
       has_key_valid=key_valid_BS is not None, scale=float(scale), interpret=interpret,
-      gather_kept_in_kernel=block_sizes.gather_kept_in_kernel,
-      merge_kept_loop=block_sizes.merge_kept_loop)
+      gather_kept_in_kernel=block_sizes.gather_kept_in_kernel)
 
   # Padding rows/keys are zeros: padded keys are masked by position, and padded query rows get a
   # zero output gradient, so they add nothing to dk/dv.

@@ -88,31 +88,6 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
     key_valid = None if key_valid_ref is None else key_valid_ref[k_slice]
     return visit(carry, k, v, window_mask(problem, query_pos, key_pos, key_valid))
 
-  if kept_refs is not None and kept_refs[1] is None and problem.merge_kept_loop:
-    # Kept entries read by position: one masked loop visits the list tiles and then the window's
-    # older edge tiles, all as gather loads by key position, so the program runs three loops
-    # instead of five (a list of a few tiles per query tile is mostly loop prologue: Triton
-    # issues each loop's first loads only when the loop starts).
-    counts_ref, _, _, kept_pos_ref = kept_refs
-    num_kept_tiles = cdiv(counts_ref[1], block_k)
-    last_kept_tile = jnp.maximum(num_kept_tiles - 1, 0)
-
-    def edge_or_kept_tile(i, carry):
-      is_kept = i < num_kept_tiles
-      kept_pos = kept_pos_ref[pl.ds(jnp.minimum(i, last_kept_tile) * block_k, block_k)]
-      window_pos = (first + i - num_kept_tiles) * block_k + jnp.arange(block_k, dtype=jnp.int32)
-      key_pos = jnp.where(is_kept, kept_pos, window_pos)
-      # Padding entries (PAD_POSITION) read the last row, a finite value their mask hides.
-      rows = jnp.clip(key_pos, 0, problem.padded_key_len - 1)
-      key_valid = None if key_valid_ref is None else key_valid_ref[rows]
-      mask = jnp.where(is_kept, kept_mask(problem, query_pos, key_pos),
-                       window_mask(problem, query_pos, key_pos, key_valid))
-      return visit(carry, k_ref[rows, :], v_ref[rows, :], mask)
-
-    carry = lax.fori_loop(0, num_kept_tiles + interior_start - first, edge_or_kept_tile, carry)
-    carry = lax.fori_loop(interior_start, interior_end, functools.partial(window_tile, False),
-                          carry)
-    return lax.fori_loop(interior_end, end, functools.partial(window_tile, True), carry)
   carry = lax.fori_loop(first, interior_start, functools.partial(window_tile, True), carry)
   carry = lax.fori_loop(interior_start, interior_end, functools.partial(window_tile, False), carry)
   carry = lax.fori_loop(interior_end, end, functools.partial(window_tile, True), carry)

@@ -52,14 +52,11 @@ class BlockSizes:
   # is not differentiated always reads by position (faster there; for training the two measured
   # within +-2% on one H100, session 6, so the copies stay the default).
   gather_kept_in_kernel: bool = False
-  # Kept entries read by position (a prefill; training with gather_kept_in_kernel): visit the
-  # list tiles in the same loop as the window's older edge tiles (see pallas_forward).
-  merge_kept_loop: bool = True
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pack_gqa", "gather_kept_in_kernel", "merge_kept_loop"):
+      if field.name in ("pack_gqa", "gather_kept_in_kernel"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name} must be a bool, got {value!r}")
         continue
@@ -109,7 +106,6 @@ class Problem:
   scale: float
   interpret: bool
   gather_kept_in_kernel: bool = False  # see BlockSizes
-  merge_kept_loop: bool = True  # see BlockSizes
 
   @property
   def query_offset(self) -> int:
