@@ -54,21 +54,16 @@ def build_kept_list(k_BSKD, v_BSKD, listed_BKS, *, capacity) -> KeptList:
 
 
 def kept_list_and_counts(listed_BKS, *, capacity, block_qs, padded_query_len, query_offset,
-                         window_size, first_row_counts=()):
+                         window_size):
   """(positions `[B, Hkv, capacity]`, one `entries_per_query_tile` count array per query tile
-  size in block_qs): what the kernels need besides q, k, v, from one prefix count.
-
-  first_row_counts: one bool per block_qs entry; True gives that entry's counts for both rows
-  ([B, Hkv, tiles, 2], see entries_per_query_tile).
-  """
+  size in block_qs): what the kernels need besides q, k, v, from one prefix count."""
   listed_before_BKS = listed_before(listed_BKS)
   positions_BKC = kept_positions(listed_BKS, listed_before_BKS, capacity=capacity)
-  first_row_counts = tuple(first_row_counts) + (False,) * (len(block_qs) - len(first_row_counts))
   counts = tuple(
       entries_per_query_tile(listed_before_BKS, block_q=block_q,
                              num_q_tiles=padded_query_len // block_q, query_offset=query_offset,
-                             window_size=window_size, with_first_row=with_first_row)
-      for block_q, with_first_row in zip(block_qs, first_row_counts))
+                             window_size=window_size)
+      for block_q in block_qs)
   return positions_BKC, counts
 
 
@@ -111,7 +106,7 @@ def gather_kept(k_BSKD, v_BSKD, positions_BKC):
 
 
 def entries_per_query_tile(listed_before_BKS, *, block_q, num_q_tiles, query_offset,
-                           window_size, with_first_row=False):
+                           window_size):
   """int32 [B, Hkv, num_q_tiles]: how many list entries any query of each tile can see.
 
   Query tile t holds positions up to query_offset + (t + 1) * block_q - 1; an entry is outside that
@@ -120,17 +115,9 @@ def entries_per_query_tile(listed_before_BKS, *, block_q, num_q_tiles, query_off
   at that position (one lookup per tile; a binary search of the list per tile, the first
   version, took ~0.2 ms of a B8 T4096 prefill as a loop of small XLA ops).
   listed_before_BKS: `listed_before` of the listed keys.
-  with_first_row: int32 [B, Hkv, num_q_tiles, 2] instead, (entries that every query of the tile
-  sees, i.e. its first query's count; the count above): the kernels visit the first ones
-  without a mask.
   """
   key_len = listed_before_BKS.shape[-1]
   last_pos_T = query_offset + (jnp.arange(num_q_tiles, dtype=jnp.int32) + 1) * block_q - 1
-  threshold_R = last_pos_T - window_size
-  if with_first_row:  # thresholds interleaved (first row, last row) per tile, one gather
-    threshold_R = jnp.stack([threshold_R - (block_q - 1), threshold_R], axis=-1).reshape(-1)
-  counts_BKR = jnp.take(listed_before_BKS, jnp.clip(threshold_R, 0, key_len - 1), axis=-1)
-  counts_BKR = jnp.where(threshold_R >= 0, counts_BKR, 0)
-  if with_first_row:
-    return counts_BKR.reshape(*counts_BKR.shape[:-1], num_q_tiles, 2)
-  return counts_BKR
+  threshold_T = last_pos_T - window_size
+  counts_BKT = jnp.take(listed_before_BKS, jnp.clip(threshold_T, 0, key_len - 1), axis=-1)
+  return jnp.where(threshold_T >= 0, counts_BKT, 0)

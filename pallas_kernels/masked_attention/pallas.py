@@ -155,7 +155,7 @@ def masked_attention(
         listed_BKS, capacity=padded_key_len,
         block_qs=(block_sizes.block_q, block_sizes.block_q_dq, block_sizes.block_q_dkv),
         padded_query_len=padded_query_len, query_offset=key_len - query_len,
-        window_size=window_size, first_row_counts=(True, True))
+        window_size=window_size)
     # Positions only: the K/V copies, where the kernels use them, are gathered in the
     # differentiated forward (_attention_core_fwd).
     kept = compaction.KeptList(positions_BKC, None, None)

@@ -94,13 +94,10 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
   if kept_refs is not None:
     counts_ref, kept_k_ref, kept_v_ref, kept_pos_ref = kept_refs
 
-    def kept_tile(masked, ct, carry):
+    def kept_tile(ct, carry):
       c_slice = pl.ds(ct * block_k, block_k)
-      mask = None
-      if masked or kept_k_ref is None:
-        entry_pos = kept_pos_ref[c_slice]
-      if masked:
-        mask = kept_mask(problem, query_pos, entry_pos)
+      entry_pos = kept_pos_ref[c_slice]
+      mask = kept_mask(problem, query_pos, entry_pos)
       if kept_k_ref is None:
         # Gather load from the whole K/V block. Padding entries (PAD_POSITION) read the last row
         # instead, a finite value that their mask hides.
@@ -108,12 +105,7 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
         return visit(carry, k_ref[rows, :], v_ref[rows, :], mask)
       return visit(carry, kept_k_ref[c_slice, :], kept_v_ref[c_slice, :], mask)
 
-    # counts_ref: (entries every query of the tile sees, entries some query sees). Whole tiles of
-    # the first kind need no mask (a few new entries per query tile: most of a long list).
-    unmasked_end = counts_ref[0] // block_k
-    carry = lax.fori_loop(0, unmasked_end, functools.partial(kept_tile, False), carry)
-    carry = lax.fori_loop(unmasked_end, cdiv(counts_ref[1], block_k),
-                          functools.partial(kept_tile, True), carry)
+    carry = lax.fori_loop(0, cdiv(counts_ref[0], block_k), kept_tile, carry)
   return carry
 
 
@@ -210,8 +202,7 @@ def _query_major_specs(problem: Problem, block_q: int, with_backward_inputs: boo
   if kept is not None:
     capacity = kept.positions_BKC.shape[-1]
     num_kv_heads = problem.num_kv_heads
-    # counts [B, Hkv, tiles, 2] flattened: block n holds tile n's (first-row, last-row) counts
-    specs.append(pl.BlockSpec((2,), lambda i, b, h: (
+    specs.append(pl.BlockSpec((1,), lambda i, b, h: (
         (b * num_kv_heads + kv_head(h)) * num_q_tiles + num_q_tiles - 1 - i,)))
     if not problem.gather_kept_in_kernel:
       specs += [
