@@ -201,8 +201,8 @@ def main(argv=None) -> int:
     error = check_parity(inputs, lte_shapes(preset)[3])
     xla_s = time_attention(inputs, "xla", None, args.repeats)
     # The last row drops the ring-blank mask (a diagnostic, not a decode step: its per-call bool
-    # -> int8 conversion and mask loads are what it leaves out). Session 8: 1.4b ran ~20 us per
-    # call above what 0.4b's time per byte predicts.
+    # -> int8 conversion and mask loads are what it leaves out). Session 9: no difference in GPU
+    # time; the wall time above the kernels is the GPU idle between launches.
     for block_sizes, mask in [(c, True) for c in configs] + [(None, False)]:
       label = "default" if block_sizes is None else (
           f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}"

@@ -128,9 +128,9 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
     if mask is not None:
       qk = jnp.where(mask, qk, -jnp.inf)
     # The scale is applied to the row maxima and inside exp2's argument, where qk * scale - shift
-    # is one fused multiply-add per score: at D = 64 the softmax's per-score instructions, not the
-    # dots, bound the kernel (FlashAttention-3's observation), and a separate scaling pass is one
-    # more instruction per score (scale > 0, so max(qk) * scale = max(qk * scale)).
+    # is one fused multiply-add per score instead of a multiply and a subtract (scale > 0, so
+    # max(qk) * scale = max(qk * scale)). Session 9 measured no difference the benchmark's noise
+    # could show (SWA-1024 forward 1.03-1.05x cuDNN against 1.02-1.06x); it is no more code.
     new_max = jnp.maximum(row_max, jnp.max(qk, axis=1) * score_scale)
     # A row that has seen no visible key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
     shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if mask is not None else new_max
