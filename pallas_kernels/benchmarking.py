@@ -11,7 +11,9 @@ block_until_ready for JAX, a torch.cuda.synchronize wrapper for PyTorch.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import statistics
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -106,8 +108,6 @@ def kernel_times(timed: Timed, *, passes: int, warmup: int = 2) -> KernelTimes:
   how much of the call the GPU is idle (launch gaps, host dispatch). Spans and walls include the
   profiler's own overhead, so compare kernel times, not walls, with untraced runs.
   """
-  import glob  # pylint: disable=import-outside-toplevel
-  import tempfile  # pylint: disable=import-outside-toplevel
   for _ in range(warmup):
     timed.one_pass()
   with tempfile.TemporaryDirectory() as trace_dir:

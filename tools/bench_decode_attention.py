@@ -80,10 +80,10 @@ def attention_timed(inputs, implementation, block_sizes) -> Timed:
   return Timed(run_all, [inputs])
 
 
-def time_attention(inputs, implementation, block_sizes, repeats, copy=None):
-  """Seconds per decode call; with copy (`copy_case()[0]`), (that, seconds per copy) timed in
-  alternation (pallas_kernels.benchmarking.paired_ms)."""
-  timed, calls = attention_timed(inputs, implementation, block_sizes), len(inputs[0])
+def time_attention(timed: Timed, calls: int, repeats: int, copy=None):
+  """Seconds per decode call of `attention_timed`'s `timed` (`calls` per pass); with copy
+  (`copy_case()[0]`), (that, seconds per copy) timed in alternation
+  (pallas_kernels.benchmarking.paired_ms)."""
   if copy is None:
     return median_seconds(timed.fn, timed.input_sets[0], repeats) / calls
   attention_ms, copy_ms = paired_ms(timed, copy, warmup=3, rounds=repeats)
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
   for preset in args.presets:
     inputs, moved = attention_case(preset, args.batch, args.sets, jax.random.key(0))
     error = check_parity(inputs, lte_shapes(preset)[3])
-    xla_s = time_attention(inputs, "xla", None, args.repeats)
+    xla_s = time_attention(attention_timed(inputs, "xla", None), args.sets, args.repeats)
     # The last row drops the ring-blank mask (a diagnostic, not a decode step: its per-call bool
     # -> int8 conversion and mask loads are what it leaves out). Session 9: no difference in GPU
     # time; the wall time above the kernels is the GPU idle between launches.
@@ -211,8 +211,8 @@ def main(argv=None) -> int:
       try:
         # In alternation with the copy: in session 6 the first config timed (the default) read
         # 0.58 of a copy timed apart and the same config timed later 0.68, the clocks ramping up.
-        seconds, copy_s = time_attention(inputs if mask else inputs[:4] + (None,), "pallas",
-                                         block_sizes, args.repeats, copy)
+        timed = attention_timed(inputs if mask else inputs[:4] + (None,), "pallas", block_sizes)
+        seconds, copy_s = time_attention(timed, args.sets, args.repeats, copy)
       except Exception as error:  # pylint: disable=broad-except
         # One config that fails to compile (e.g. shared memory) must not hide the others.
         print(f"| {preset} B{args.batch} | {label} | FAILED {str(error)[:300]} |", flush=True)
@@ -220,8 +220,7 @@ def main(argv=None) -> int:
       gbs, paired_copy_gbs = moved / seconds / 1e9, copy_bytes / copy_s / 1e9
       gpu_s = float("nan")
       if on_gpu:
-        gpu_s = device_seconds(attention_timed(inputs if mask else inputs[:4] + (None,),
-                                               "pallas", block_sizes), args.sets)
+        gpu_s = device_seconds(timed, args.sets)
       gpu_ratio = moved / gpu_s / 1e9 / copy_gpu_gbs
       results["attention"].append(dict(preset=preset, config=label, us=seconds * 1e6,
                                        GBps=gbs, ratio=gbs / paired_copy_gbs,

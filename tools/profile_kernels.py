@@ -29,7 +29,7 @@ import jax
 import bench_attention
 import bench_decode_attention
 from pallas_kernels.benchmarking import Timed, kernel_times
-from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
+from pallas_kernels.decode_attention import DecodeBlockSizes
 
 DECODE_CONFIGS = {
     "default": (None, True),
@@ -54,14 +54,10 @@ ATTENTION_CASES = (  # (variant of bench_attention.jax_variants, mode)
 def decode_cases(presets, batch, sets):
   for preset in presets:
     inputs, _ = bench_decode_attention.attention_case(preset, batch, sets, jax.random.key(0))
-    qs, ks, vs, length, valid = inputs
     for label, (block_sizes, mask) in DECODE_CONFIGS.items():
-      def run_all(qs, ks, vs, length, valid, block_sizes=block_sizes):
-        return [decode_attention(q, k, v, length_BK=length, key_valid=valid,
-                                 implementation="pallas", block_sizes=block_sizes)
-                for q, k, v in zip(qs, ks, vs)]
-      args = (qs, ks, vs, length, valid if mask else None)
-      yield f"decode {preset} B{batch}: {label}", Timed(jax.jit(run_all), [args]), sets
+      timed = bench_decode_attention.attention_timed(inputs if mask else inputs[:4] + (None,),
+                                                     "pallas", block_sizes)
+      yield f"decode {preset} B{batch}: {label}", timed, sets
 
 
 def attention_cases(shapes):

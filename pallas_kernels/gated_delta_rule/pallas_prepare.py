@@ -183,16 +183,23 @@ class _Layout:
   """How the caller's q, k, v, g, beta become the kernels' inputs, and gradients go back."""
   seq_len: int
   chunk_size: int
-  padded_k: int
-  padded_v: int
+  key_dim: int
+  value_dim: int
   scale: float
 
   @classmethod
   def of(cls, q, v, scale, chunk_size):
     key_dim = q.shape[3]
-    return cls(seq_len=q.shape[1], chunk_size=chunk_size, padded_k=next_power_of_two(key_dim),
-               padded_v=next_power_of_two(v.shape[3]),
+    return cls(seq_len=q.shape[1], chunk_size=chunk_size, key_dim=key_dim, value_dim=v.shape[3],
                scale=float(key_dim ** -0.5 if scale is None else scale))
+
+  @property
+  def padded_k(self):
+    return next_power_of_two(self.key_dim)
+
+  @property
+  def padded_v(self):
+    return next_power_of_two(self.value_dim)
 
   @property
   def num_chunks(self):
@@ -209,6 +216,11 @@ class _Layout:
         return x
       return jnp.pad(x, [(0, 0), (0, self.pad_t), (0, 0), (0, width - x.shape[-1])])
     return pad(q, self.padded_k), pad(k, self.padded_k), pad(v, self.padded_v)
+
+  def unpadded(self, dq, dk, dv):
+    """The inverse of `padded`: `[B,Tp,H,Dp]` -> `[B,T,H,D]`."""
+    return (dq[:, :self.seq_len, :, :self.key_dim], dk[:, :self.seq_len, :, :self.key_dim],
+            dv[:, :self.seq_len, :, :self.value_dim])
 
   def token_major(self, x_BTH):
     """`[B,T,H]` -> float32 `[B,H,Tp]` (a (C,) block with stride H is not a Triton block)."""
@@ -258,9 +270,7 @@ def _prepare_chunks_bwd(scale, use_qk_l2norm, chunk_size, config, residuals, cot
       exact=uses_exact_matmuls(q, k, v), config=config or PrepareConfig())
   # chunk decay = exp(sum of the chunk's g): each g of the chunk gets d(decay) * decay.
   dg_BHT = dg_BHT + jnp.repeat(dchunk_decay_BHN * chunk_decay_BHN, chunk_size, axis=-1)
-  seq_len, key_dim, value_dim = q.shape[1], q.shape[3], v.shape[3]
-  return (dq[:, :seq_len, :, :key_dim], dk[:, :seq_len, :, :key_dim],
-          dv[:, :seq_len, :, :value_dim], layout.public(dg_BHT, g),
+  return (*layout.unpadded(dq, dk, dv), layout.public(dg_BHT, g),
           layout.public(dbeta_BHT, beta))
 
 
