@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import shutil
 import statistics
 import tempfile
 import time
@@ -101,12 +102,14 @@ def kernel_times_from_profile(profile, passes: int, wall_s: float) -> KernelTime
                      busy_us=sum(us for _, us in kernels.values()), kernels=kernels)
 
 
-def kernel_times(timed: Timed, *, passes: int, warmup: int = 2) -> KernelTimes:
+def kernel_times(timed: Timed, *, passes: int, warmup: int = 2,
+                 keep_trace: str | None = None) -> KernelTimes:
   """Per-kernel GPU time of `passes` passes of `timed`, traced with jax.profiler (CUPTI).
 
   What wall-clock medians cannot tell apart: which kernels of a jitted call take the time, and
   how much of the call the GPU is idle (launch gaps, host dispatch). Spans and walls include the
   profiler's own overhead, so compare kernel times, not walls, with untraced runs.
+  keep_trace: also copy the trace (.xplane.pb, host threads included) to this path.
   """
   for _ in range(warmup):
     timed.one_pass()
@@ -116,5 +119,7 @@ def kernel_times(timed: Timed, *, passes: int, warmup: int = 2) -> KernelTimes:
     files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not files:
       raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
+    if keep_trace:
+      shutil.copyfile(files[0], keep_trace)
     profile = jax.profiler.ProfileData.from_file(files[0])
     return kernel_times_from_profile(profile, passes, wall_s)

@@ -60,11 +60,17 @@ SWEEP_FORWARD = (
     BlockSizes(pack_gqa=True, block_q=64, block_k=32, num_warps=8),
     BlockSizes(pack_gqa=True, block_q=64, block_k=64, num_warps=8, num_stages=2),
 )
-# Prefill only: the kept list read by position inside the kernel (no XLA gather of K/V copies).
+# Prefill only (a prefill call reads the kept list by position whatever the flag says; the flag
+# only names these rows apart from SWEEP_FORWARD's). Session 10: pipeline depth, and 128-row query
+# tiles on one warpgroup (two independent 64-row halves per step; 896 keys visited per window
+# instead of 832, so it must win > 8% per tile).
 SWEEP_PREFILL = (
     BlockSizes(gather_kept_in_kernel=True),
-    BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=16, block_k=64),
-    BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=32, block_k=64, num_warps=8),
+    BlockSizes(gather_kept_in_kernel=True, num_stages=2),
+    BlockSizes(gather_kept_in_kernel=True, num_stages=4),
+    BlockSizes(gather_kept_in_kernel=True, block_q=128),
+    BlockSizes(gather_kept_in_kernel=True, block_q=128, num_stages=2),
+    BlockSizes(gather_kept_in_kernel=True, block_k=32, num_stages=4),
 )
 SWEEP_TRAIN = (
     BlockSizes(),

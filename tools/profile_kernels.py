@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 import jax
@@ -51,10 +52,11 @@ ATTENTION_CASES = (  # (variant of bench_attention.jax_variants, mode)
 )
 
 
-def decode_cases(presets, batch, sets):
+def decode_cases(presets, batch, sets, configs=tuple(DECODE_CONFIGS)):
   for preset in presets:
     inputs, _ = bench_decode_attention.attention_case(preset, batch, sets, jax.random.key(0))
-    for label, (block_sizes, mask) in DECODE_CONFIGS.items():
+    for label in configs:
+      block_sizes, mask = DECODE_CONFIGS[label]
       timed = bench_decode_attention.attention_timed(inputs if mask else inputs[:4] + (None,),
                                                      "pallas", block_sizes)
       yield f"decode {preset} B{batch}: {label}", timed, sets
@@ -95,20 +97,29 @@ def main(argv=None) -> int:
                       help="attention lengths (B x T = 32768 tokens, as bench_attention.py)")
   parser.add_argument("--passes", type=int, default=10)
   parser.add_argument("--top", type=int, default=8, help="kernels listed per case")
+  parser.add_argument("--decode-configs", nargs="+", default=list(DECODE_CONFIGS),
+                      choices=list(DECODE_CONFIGS), help="labels of DECODE_CONFIGS to trace")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--trace-dir", default=None,
+                      help="also keep each case's trace here (CASE_NUMBER.xplane.pb; host threads"
+                      " and CUDA API calls included, for a look at what the host does)")
   args = parser.parse_args(argv)
 
   print(f"device {jax.devices()[0].device_kind}; times per call (a pass = one call per input set)")
   cases = []
   if "decode" in args.cases:
-    cases.append(decode_cases(args.presets, args.batch, args.sets))
+    cases.append(decode_cases(args.presets, args.batch, args.sets, args.decode_configs))
   if "attention" in args.cases:
     cases.append(attention_cases([(32768 // length, length) for length in args.lengths]))
   results = []
   for generator in cases:
     for name, timed, calls_per_pass in generator:
       try:
-        times = kernel_times(timed, passes=args.passes)
+        trace = None
+        if args.trace_dir:
+          os.makedirs(args.trace_dir, exist_ok=True)
+          trace = os.path.join(args.trace_dir, f"case{len(results)}.xplane.pb")
+        times = kernel_times(timed, passes=args.passes, keep_trace=trace)
       except Exception as error:  # pylint: disable=broad-except
         print(f"\n## {name}: FAILED {str(error)[:1000]}", flush=True)
         continue

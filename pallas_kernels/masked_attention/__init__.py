@@ -62,16 +62,25 @@ def _check_arguments(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, k
       raise ValueError(f"masked_attention: key_valid_BS must be bool, got {key_valid_BS.dtype}")
 
 
+def _under_multi_device_mesh() -> bool:
+  """Whether the call is traced under a mesh of several devices (`jax.set_mesh`, shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.size > 1
+
+
 def _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS) -> bool:
   """Plain causal or SWA training attention in bf16/f16 that cuDNN's fused kernel covers.
 
   On one H200 (B8 T4096 Hq32 Hkv8 D64 bf16, docs/benchmarks.md "Attention kernels") cuDNN's
   fwd+bwd beat ours by 1.06-1.23x (SWA-1024) and 1.46x (causal), so `implementation=None` sends
-  these cases to it; sinks, kept keys, key padding and T < S stay on the Pallas kernels.
+  these cases to it; sinks, kept keys, key padding and T < S stay on the Pallas kernels. Not under
+  a mesh of several devices: there the gdn_swa-0.4b FSDP step crashed with SIGSEGV on 2 x H200
+  (session 9) and runs on the Pallas kernels (docs/benchmarks.md, "Multi-GPU").
   """
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   return (
       on_gpu()
+      and not _under_multi_device_mesh()
       and jnp.dtype(q_BTHD.dtype) in half
       and q_BTHD.dtype == k_BSKD.dtype == v_BSKD.dtype
       and q_BTHD.shape[-1] in (64, 128) and v_BSKD.shape[-1] == q_BTHD.shape[-1]

@@ -287,3 +287,8 @@ def test_gpu_default_routes_plain_windows_to_cudnn_and_lte_masks_to_pallas(monke
   kept = jnp.asarray(rng.random((1, 23, 2)) < 0.3)
   entry.masked_attention(q, k, v, window_size=7, num_sinks=1, kept_BSK=kept)
   assert calls == ["cudnn", "pallas"]
+  # Under a mesh of several devices plain windows go to Pallas too (cuDNN crashed the FSDP step).
+  # A shape not traced above, so the jit cache cannot answer for the new mesh context.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
+    entry.masked_attention(q[:, :21], k[:, :21], v[:, :21], window_size=7)
+  assert calls == ["cudnn", "pallas", "pallas"]
