@@ -48,6 +48,7 @@ SWEEP_FORWARD = (
     BlockSizes(block_k=128, num_stages=2),
     BlockSizes(block_k=128, num_stages=4),
     BlockSizes(block_k=128, num_warps=8),
+    BlockSizes(num_stages=2),
     BlockSizes(num_stages=4),
     BlockSizes(block_q=128, block_k=128, num_warps=8),
     BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),

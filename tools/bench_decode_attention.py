@@ -80,6 +80,37 @@ def attention_timed(inputs, implementation, block_sizes) -> Timed:
   return Timed(run_all, [inputs])
 
 
+def looped_timed(inputs, implementation, block_sizes, rounds: int) -> Timed:
+  """One jitted call that runs `rounds` rounds over every input set's cache in a lax.fori_loop.
+
+  `attention_timed`'s pass pays one dispatch of a jitted call per len(qs) decode calls: ~330 us
+  of host time per pass with 8 caches (session 10 trace: ~165 us before the CUDA graph launch,
+  ~150 us from the GPU's end to block_until_ready), while the GPU ran the 8 decode kernels back
+  to back in one graph. Here that cost is spread over rounds x len(qs) calls, as in a decode loop
+  (METHOD.md: time many small launches as replays). Each call's query is chained to the last
+  output (q + 0 * o; XLA keeps x * 0 for floats), so XLA can neither hoist nor merge the calls;
+  that adds one tiny elementwise kernel per call.
+  """
+  qs, ks, vs, length, valid = inputs
+
+  @jax.jit
+  def run_rounds(qs, ks, vs, length, valid):
+    def one_round(_, o):
+      for q, k, v in zip(qs, ks, vs):
+        o = decode_attention(q + 0 * o, k, v, length_BK=length, key_valid=valid,
+                             implementation=implementation, block_sizes=block_sizes)
+      return o
+    return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros_like(qs[0]))
+  return Timed(run_rounds, [inputs])
+
+
+def looped_copy(copy: Timed, rounds: int) -> Timed:
+  """`copy_case()`'s copy, `rounds` times in one jitted call (as `looped_timed`)."""
+  (x,), = copy.input_sets
+  step = copy.fn
+  return Timed(jax.jit(lambda x: jax.lax.fori_loop(0, rounds, lambda _, x: step(x), x)), [(x,)])
+
+
 def time_attention(timed: Timed, calls: int, repeats: int, copy=None):
   """Seconds per decode call of `attention_timed`'s `timed` (`calls` per pass); with copy
   (`copy_case()[0]`), (that, seconds per copy) timed in alternation
@@ -163,6 +194,8 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--sets", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=30)
+  parser.add_argument("--rounds", type=int, default=8,
+                      help="rounds over the sets per jitted call in the looped timing")
   parser.add_argument("--sweep", action="store_true", help="also time other block sizes")
   parser.add_argument("--json", default=None, help="write all numbers here")
   args = parser.parse_args(argv)
@@ -191,9 +224,11 @@ def main(argv=None) -> int:
   copy_gpu_gbs = copy_bytes / device_seconds(copy, 1) / 1e9 if on_gpu else float("nan")
   results["copy_GBps_gpu_time"] = copy_gpu_gbs
   print(f"copy bandwidth by GPU kernel time: {copy_gpu_gbs:.0f} GB/s")
+  copy_rounds = looped_copy(copy, args.rounds)
   header = ("| cache | pallas config | us/call | GB/s | / copy | copy GB/s (paired) | xla us/call |"
-            " rel err vs xla | GPU us/call | GPU GB/s / copy GPU GB/s |"
-            "\n|---|---|---|---|---|---|---|---|---|---|")
+            " rel err vs xla | GPU us/call | GPU GB/s / copy GPU GB/s | looped us/call |"
+            " looped GB/s / looped copy GB/s |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|---|")
   print(header)
   rows = []
   for preset in args.presets:
@@ -222,14 +257,25 @@ def main(argv=None) -> int:
       if on_gpu:
         gpu_s = device_seconds(timed, args.sets)
       gpu_ratio = moved / gpu_s / 1e9 / copy_gpu_gbs
+      # Wall time again with the dispatch cost spread over rounds x sets calls, in alternation
+      # with the copy looped the same way.
+      looped_ms, looped_copy_ms = paired_ms(
+          looped_timed(inputs if mask else inputs[:4] + (None,), "pallas", block_sizes,
+                       args.rounds), copy_rounds, warmup=2, rounds=args.repeats)
+      looped_s = looped_ms / 1e3 / (args.rounds * args.sets)
+      looped_ratio = (moved / looped_s) / (copy_bytes * args.rounds / (looped_copy_ms / 1e3))
       results["attention"].append(dict(preset=preset, config=label, us=seconds * 1e6,
                                        GBps=gbs, ratio=gbs / paired_copy_gbs,
                                        copy_GBps_paired=paired_copy_gbs, xla_us=xla_s * 1e6,
                                        parity_rel_err=error, bytes=moved, gpu_us=gpu_s * 1e6,
-                                       gpu_time_ratio=gpu_ratio))
+                                       gpu_time_ratio=gpu_ratio, looped_us=looped_s * 1e6,
+                                       looped_ratio=looped_ratio, rounds=args.rounds,
+                                       looped_copy_GBps=copy_bytes * args.rounds
+                                       / (looped_copy_ms / 1e3) / 1e9))
       rows.append(f"| {preset} B{args.batch} | {label} | {seconds * 1e6:.1f} | {gbs:.0f} |"
                   f" {gbs / paired_copy_gbs:.2f} | {paired_copy_gbs:.0f} | {xla_s * 1e6:.1f} |"
-                  f" {error:.1e} | {gpu_s * 1e6:.1f} | {gpu_ratio:.2f} |")
+                  f" {error:.1e} | {gpu_s * 1e6:.1f} | {gpu_ratio:.2f} | {looped_s * 1e6:.1f} |"
+                  f" {looped_ratio:.2f} |")
       print(rows[-1], flush=True)
     for implementation in ("xla", "pallas"):
       seconds = time_cache_step(preset, args.batch, implementation, args.repeats)
