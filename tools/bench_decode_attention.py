@@ -13,7 +13,9 @@ bytes), bf16, through `decode_attention` with the ring-blank mask and per-(row, 
 Timing: `--sets` independent caches (more bytes than L2 holds, so every call reads HBM) are
 attended one after another inside one jitted function; time per call = median over `--repeats`
 of the wall time / sets, after warm-up, each Pallas config in alternation with the copy
-(`pallas_kernels.benchmarking.paired_ms`), whose paired time gives that row's ratio. The fused LTE
+(`pallas_kernels.benchmarking.paired_ms`), whose paired time gives that row's ratio. Each row also
+reports GPU kernel time (profiler) and the wall time of `looped_timed`, which pays one dispatch of
+a jitted call per `--rounds` x `--sets` calls as a decode loop does. The fused LTE
 cache step (`evict_and_insert`) is timed as 32 steps in one jitted loop over a donated cache
 with a full OOW set, XLA vs Pallas; the prefill compaction (`compact_top_scores`, top-b of the
 T - W out-of-window tokens per row and KV head) at B8 T4096 and B2 T16384, XLA vs Pallas.
@@ -218,8 +220,10 @@ def main(argv=None) -> int:
                                  num_splits=s, num_warps=w) for s, w in ((4, 4), (8, 4), (8, 8))]
   results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": [],
              "compaction": []}
-  # GPU time (kernels only, from profiler traces) next to wall time: in session 9 the decode
-  # kernels of a B32 1.4b call ran 36 us of a ~73 us wall per call; the rest is the GPU idle.
+  # Three times per row: wall time per call (one jitted call per pass over the sets, paired with
+  # the copy), GPU kernel time (profiler traces), and wall time per call of `looped_timed`. In
+  # session 10 the decode kernels of a B32 1.4b pass ran back to back in one CUDA graph, 34 us
+  # each, and the rest of the ~73 us per call was the pass's dispatch (host trace, call 1).
   on_gpu = jax.default_backend() == "gpu"
   copy_gpu_gbs = copy_bytes / device_seconds(copy, 1) / 1e9 if on_gpu else float("nan")
   results["copy_GBps_gpu_time"] = copy_gpu_gbs
@@ -237,7 +241,7 @@ def main(argv=None) -> int:
     xla_s = time_attention(attention_timed(inputs, "xla", None), args.sets, args.repeats)
     # The last row drops the ring-blank mask (a diagnostic, not a decode step: its per-call bool
     # -> int8 conversion and mask loads are what it leaves out). Session 9: no difference in GPU
-    # time; the wall time above the kernels is the GPU idle between launches.
+    # time.
     for block_sizes, mask in [(c, True) for c in configs] + [(None, False)]:
       label = "default" if block_sizes is None else (
           f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}"
