@@ -42,8 +42,6 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
 # blocks only (SWA-1024 "fwd+bwd"); SWEEP_TRAIN is timed "fwd+bwd" on the LTE training call.
 SWEEP_FORWARD = (
     BlockSizes(),
-    # Session 10: the next tile's q k^T issued before this tile's softmax (interior tiles).
-    BlockSizes(qk_lookahead=True),
     # 64 x 128 tiles on one warpgroup: the tile of cuDNN's SWA forward kernel on an H100 (its
     # name in a profile, session 9: ..._flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1).
     BlockSizes(block_k=128),
@@ -77,7 +75,6 @@ SWEEP_PREFILL = (
 )
 SWEEP_TRAIN = (
     BlockSizes(),
-    BlockSizes(qk_lookahead=True),
     BlockSizes(gather_kept_in_kernel=True),
     BlockSizes(pack_gqa=True, block_q=16, block_k=64),
     BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),

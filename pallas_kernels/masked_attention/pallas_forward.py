@@ -66,12 +66,11 @@ def _unpack(refs, problem: Problem, num_extra_inputs: int):
 
 
 def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref, kept_refs, visit,
-                 carry, heads_per_position=1, interior_loop=None):
+                 carry, heads_per_position=1):
   """Runs visit(carry, k, v, mask_or_None) over the window tiles, then the kept list.
 
   The tile's rows are block_q query positions, each repeated heads_per_position times in a row
-  (GQA packing: row r is position q_start + r // heads_per_position). interior_loop(start, end,
-  carry), when given, replaces the plain loop over the unmasked interior tiles [start, end).
+  (GQA packing: row r is position q_start + r // heads_per_position).
   """
   row_R = jnp.arange(block_q * heads_per_position, dtype=jnp.int32)
   if heads_per_position > 1:  # non-negative: truncating division is the floor
@@ -90,11 +89,7 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
     return visit(carry, k, v, window_mask(problem, query_pos, key_pos, key_valid))
 
   carry = lax.fori_loop(first, interior_start, functools.partial(window_tile, True), carry)
-  if interior_loop is None:
-    carry = lax.fori_loop(interior_start, interior_end, functools.partial(window_tile, False),
-                          carry)
-  else:
-    carry = interior_loop(interior_start, interior_end, carry)
+  carry = lax.fori_loop(interior_start, interior_end, functools.partial(window_tile, False), carry)
   carry = lax.fori_loop(interior_end, end, functools.partial(window_tile, True), carry)
   if kept_refs is not None:
     counts_ref, kept_k_ref, kept_v_ref, kept_pos_ref = kept_refs
@@ -115,7 +110,7 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
 
 
 def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_rows: int,
-                    with_lse: bool, qk_lookahead: bool = False):
+                    with_lse: bool):
   """group_rows > 1: GQA packing, q/o blocks are [block_q, group_rows, D] (one KV head's heads)."""
   (q_ref, k_ref, v_ref), key_valid_ref, kept_refs, out_refs = _unpack(refs, problem, 0)
   num_q_tiles = problem.padded_query_len // block_q
@@ -127,9 +122,9 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
     q = q.reshape(num_rows, head_dim)  # rows (position, head): contiguous in [T, Hq, D] already
   score_scale = problem.scale * LOG2_E
 
-  def update(carry, qk, v, mask):
-    """One online-softmax step given the tile's scores qk = q k^T."""
+  def visit(carry, k, v, mask):
     acc, row_max, row_sum = carry
+    qk = dot_nt(q, k)
     if mask is not None:
       qk = jnp.where(mask, qk, -jnp.inf)
     # The scale is applied to the row maxima and inside exp2's argument, where qk * scale - shift
@@ -145,30 +140,10 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
     acc = acc * correction[:, None] + dot_nn(p.astype(v.dtype), v)
     return acc, new_max, row_sum
 
-  def visit(carry, k, v, mask):
-    return update(carry, dot_nt(q, k), v, mask)
-
-  def tile(ref, kt):
-    return ref[pl.ds(kt * block_k, block_k), :]
-
-  def interior_with_lookahead(start, end, carry):
-    """The interior loop with q k^T of the next tile issued before this tile's softmax and P V,
-    so that the tensor cores can run it while the softmax runs (FA3's intra-warpgroup overlap,
-    left to Triton's scheduling); the last tile's scores come from the last step."""
-    def run(carry):
-      def step(kt, state):
-        *carry, qk = state
-        qk_next = dot_nt(q, tile(k_ref, kt + 1))
-        return (*update(tuple(carry), qk, tile(v_ref, kt), None), qk_next)
-      *carry, qk = lax.fori_loop(start, end - 1, step, (*carry, dot_nt(q, tile(k_ref, start))))
-      return update(tuple(carry), qk, tile(v_ref, end - 1), None)
-    return lax.cond(end > start, run, lambda carry: carry, carry)
-
   carry = (jnp.zeros((num_rows, value_dim), jnp.float32),
            jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
-  acc, row_max, row_sum = _visit_tiles(
-      problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref, kept_refs, visit, carry,
-      group_rows, interior_loop=interior_with_lookahead if qk_lookahead else None)
+  acc, row_max, row_sum = _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref,
+                                       key_valid_ref, kept_refs, visit, carry, group_rows)
   empty = row_sum == 0.0  # no visible key: output 0 (the reference's convention)
   o = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(out_refs[0].dtype)
   if group_rows > 1:
@@ -297,8 +272,7 @@ def forward(problem: Problem, blocks: BlockSizes, q, k, v, key_valid, kept, coun
         (batch, problem.num_q_heads, problem.padded_query_len), jnp.float32))
   outputs = pl.pallas_call(
       functools.partial(_forward_kernel, problem=problem, block_q=block_q, block_k=block_k,
-                        group_rows=group_rows, with_lse=with_lse,
-                        qk_lookahead=blocks.qk_lookahead),
+                        group_rows=group_rows, with_lse=with_lse),
       grid=(num_q_tiles, batch, problem.num_q_heads // group_rows),
       in_specs=_query_major_specs(problem, block_q, False, key_valid, kept, group_rows),
       out_specs=out_specs,

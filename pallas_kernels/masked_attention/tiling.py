@@ -52,14 +52,11 @@ class BlockSizes:
   # is not differentiated always reads by position (faster there; for training the two measured
   # within +-2% on one H100, session 6, so the copies stay the default).
   gather_kept_in_kernel: bool = False
-  # Forward only: the unmasked interior loop computes the next tile's q k^T before this tile's
-  # softmax and P V (one tile of scores carried between steps), so Triton may overlap the two.
-  qk_lookahead: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pack_gqa", "gather_kept_in_kernel", "qk_lookahead"):
+      if field.name in ("pack_gqa", "gather_kept_in_kernel"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name} must be a bool, got {value!r}")
         continue

@@ -97,14 +97,6 @@ CASES = {
     "prefill_padded_gather_kept_in_kernel": (jnp.float32, dict(
         batch=2, query_len=30, key_len=77, window_size=20, num_sinks=2, padded=True,
         blocks=dataclasses.replace(TINY_BLOCKS, gather_kept_in_kernel=True))),
-    # The interior loop with the next tile's scores computed one step ahead: query tiles with
-    # 0 to 2 interior tiles (window 60), and causal (up to the whole past).
-    "lte_qk_lookahead": (jnp.float32, dict(
-        query_len=77, key_len=77, window_size=60, num_sinks=1, kept_fraction=0.3,
-        blocks=dataclasses.replace(TINY_BLOCKS, qk_lookahead=True))),
-    "causal_qk_lookahead_bf16": (jnp.bfloat16, dict(
-        query_len=77, key_len=77, window_size=None, use_kept=False, head_dim=32,
-        blocks=dataclasses.replace(TINY_BLOCKS, qk_lookahead=True))),
     "lte_bf16_packed_gather_kept_in_kernel": (jnp.bfloat16, dict(
         batch=2, query_len=61, key_len=61, num_q_heads=4, num_kv_heads=2, head_dim=32,
         window_size=21, num_sinks=2, blocks=dataclasses.replace(
@@ -123,21 +115,16 @@ def test_interpret_matches_reference(case):
                            **overrides)
 
 
-@pytest.mark.parametrize("pack_gqa,gather_kept_in_kernel,qk_lookahead",
-                         [(False, False, False), (True, True, False), (False, False, True)])
+@pytest.mark.parametrize("pack_gqa,gather_kept_in_kernel", [(False, False), (True, True)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_inference_forward_matches_reference(pack_gqa, gather_kept_in_kernel, qk_lookahead,
-                                             padded):
-  """Not differentiated: the forward without logsumexp (prefill), with each forward option.
-  Without padding, window 70 over 16-key tiles gives each query tile 2 or 3 interior tiles
-  (the loop of qk_lookahead); with padding every tile is masked (no interior loop)."""
+def test_inference_forward_matches_reference(pack_gqa, gather_kept_in_kernel, padded):
+  """Not differentiated: the forward without logsumexp (prefill), with each forward option."""
   q, k, v, _, kept, key_valid = _inputs(
-      4, batch=2, query_len=60, key_len=100, num_q_heads=4, num_kv_heads=1, head_dim=16,
+      4, batch=2, query_len=30, key_len=45, num_q_heads=4, num_kv_heads=1, head_dim=16,
       dtype=jnp.float32, padded=padded)
-  kwargs = dict(window_size=70, kept_BSK=kept, key_valid_BS=key_valid)
+  kwargs = dict(window_size=9, kept_BSK=kept, key_valid_BS=key_valid)
   blocks = dataclasses.replace(TINY_BLOCKS, pack_gqa=pack_gqa,
-                               gather_kept_in_kernel=gather_kept_in_kernel,
-                               qk_lookahead=qk_lookahead)
+                               gather_kept_in_kernel=gather_kept_in_kernel)
   actual = _interpret_pallas(q, k, v, blocks=blocks, **kwargs)
   assert_close(actual, reference.masked_attention(q, k, v, **kwargs), jnp.float32)
 
@@ -239,9 +226,6 @@ GPU_CASES.update({
     "lte_bf16_kept_split": (jnp.bfloat16, dict(
         batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
         window_size=129, num_sinks=4, blocks=BlockSizes(kept_query_tiles_per_program=3))),
-    "lte_bf16_qk_lookahead": (jnp.bfloat16, dict(
-        batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
-        window_size=300, num_sinks=4, blocks=BlockSizes(qk_lookahead=True))),
     "prefill_padded_bf16_packed": (jnp.bfloat16, dict(
         batch=2, query_len=500, key_len=500, num_q_heads=8, num_kv_heads=2, head_dim=64,
         window_size=65, padded=True, blocks=BlockSizes(pack_gqa=True, block_q=16, block_k=64))),
@@ -249,7 +233,6 @@ GPU_CASES.update({
 # Forward-block candidates of tools/bench_attention.py --sweep, checked without gradients.
 GPU_FORWARD_BLOCKS = (
     BlockSizes(gather_kept_in_kernel=True),
-    BlockSizes(qk_lookahead=True),
     BlockSizes(pack_gqa=True, block_q=16, block_k=128),
     BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
     BlockSizes(pack_gqa=True, block_q=64, block_k=32, num_warps=8, gather_kept_in_kernel=True),
