@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.masked_attention.pallas_forward import (
-    LOG2_E, compiler_params, dot_nt, dot_tn)
+    LOG2_E, compiler_params, dot_nt, dot_tn, exp2_affine)
 from pallas_kernels.masked_attention.tiling import (
     BlockSizes, Problem, cdiv, kept_mask, query_tiles_of_key_tile, window_mask)
 
@@ -33,7 +33,7 @@ def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head,
   q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
   lse, delta = lse_ref[head, q_slice], delta_ref[head, q_slice]
   # qk * scale - lse is one fused multiply-add per score; the mask then selects (see the forward).
-  p = jnp.exp2(dot_nt(q, k) * (problem.scale * LOG2_E) - lse[:, None])
+  p = exp2_affine(dot_nt(q, k), problem.scale * LOG2_E, -lse, problem.interpret)
   if mask_fn is not None:
     query_pos = problem.query_offset + q_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
     p = jnp.where(mask_fn(query_pos), p, 0.0)

@@ -37,6 +37,44 @@ def compiler_params(num_warps: int, num_stages: int):
   return params_class(num_warps=num_warps, num_stages=num_stages)
 
 
+def exp2(x, interpret: bool):
+  """2**x of float32 values as one PTX `ex2.approx.ftz.f32` (a single MUFU.EX2) on the GPU.
+
+  jnp.exp2 lowers, in Pallas-Triton, to libdevice's `__nv_exp2f`, several instructions per
+  element (session 10, ncu: replacing it made the SWA-1024 forward ~6% faster). Relative error
+  ~2**-22; results under 2**-126 flush to 0, which a softmax cannot tell apart from 0;
+  exp2(-inf) = 0. Interpret mode keeps jnp.exp2.
+  """
+  if interpret or x.dtype != jnp.float32:
+    return jnp.exp2(x)
+  [result] = _inline_asm("ex2.approx.ftz.f32 $0, $1;", x)
+  return result
+
+
+def exp2_affine(x_RC, scale: float, offset_R, interpret: bool):
+  """2 ** (x * scale + offset[:, None]) of float32 scores: softmax numerators from raw scores.
+
+  On the GPU one fused multiply-add and one MUFU.EX2 per element, in PTX. Written as
+  `x * scale + offset` in jnp, Pallas-Triton emits a separate multiply and add that are not
+  contracted (session 10, ncu: FMUL and FADD 2.2 each per score, no FFMA).
+  """
+  if interpret or x_RC.dtype != jnp.float32:
+    return jnp.exp2(x_RC * scale + offset_R[:, None])
+  [result] = _inline_asm(
+      "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, $2, $3; ex2.approx.ftz.f32 $0, t; }", x_RC,
+      jnp.full(x_RC.shape, scale, jnp.float32), jnp.broadcast_to(offset_R[:, None], x_RC.shape))
+  return result
+
+
+def _inline_asm(asm: str, *args):
+  """Elementwise PTX over float32 arrays of one shape: one result per element."""
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+  constraints = "=f," + ",".join("f" for _ in args)
+  return pltriton.elementwise_inline_asm(
+      asm, args=list(args), constraints=constraints, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+
+
 def dot_nt(a, b):
   """a @ b.T with float32 accumulation."""
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -127,15 +165,14 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
     qk = dot_nt(q, k)
     if mask is not None:
       qk = jnp.where(mask, qk, -jnp.inf)
-    # The scale is applied to the row maxima and inside exp2's argument, where qk * scale - shift
-    # is one fused multiply-add per score instead of a multiply and a subtract (scale > 0, so
-    # max(qk) * scale = max(qk * scale)). Session 9 measured no difference the benchmark's noise
-    # could show (SWA-1024 forward 1.03-1.05x cuDNN against 1.02-1.06x); it is no more code.
+    # The scale is applied to the row maxima and inside exp2's argument (scale > 0, so
+    # max(qk) * scale = max(qk * scale)), where exp2_affine makes qk * scale - shift one fused
+    # multiply-add per score: written in jnp it stayed a multiply and a subtract (session 10).
     new_max = jnp.maximum(row_max, jnp.max(qk, axis=1) * score_scale)
     # A row that has seen no visible key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
     shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if mask is not None else new_max
-    correction = jnp.exp2(row_max - shift)
-    p = jnp.exp2(qk * score_scale - shift[:, None])
+    correction = exp2(row_max - shift, problem.interpret)
+    p = exp2_affine(qk, score_scale, -shift, problem.interpret)
     row_sum = row_sum * correction + jnp.sum(p, axis=1)
     acc = acc * correction[:, None] + dot_nn(p.astype(v.dtype), v)
     return acc, new_max, row_sum
@@ -145,7 +182,8 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
   acc, row_max, row_sum = _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref,
                                        key_valid_ref, kept_refs, visit, carry, group_rows)
   empty = row_sum == 0.0  # no visible key: output 0 (the reference's convention)
-  o = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(out_refs[0].dtype)
+  # One reciprocal per row and a multiply per element, not a division per element.
+  o = (acc * (1.0 / jnp.where(empty, 1.0, row_sum))[:, None]).astype(out_refs[0].dtype)
   if group_rows > 1:
     o = o.reshape(block_q, group_rows, value_dim)
   out_refs[0][...] = o
@@ -169,7 +207,7 @@ def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   score_scale = problem.scale * LOG2_E
 
   def visit(dq, k, v, mask):
-    p = jnp.exp2(dot_nt(q, k) * score_scale - lse[:, None])  # one fused multiply-add per score
+    p = exp2_affine(dot_nt(q, k), score_scale, -lse, problem.interpret)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
     ds = p * (dot_nt(do, v) - delta[:, None])

@@ -171,15 +171,21 @@ def query_tiles_of_key_tile(problem: Problem, k_start, block_q: int, block_k: in
 
 
 def window_mask(problem: Problem, query_pos, key_pos, key_valid=None):
-  """[Q, K] visibility through the causal/window part (sinks and kept keys come from the list)."""
-  mask = (query_pos[:, None] >= key_pos[None, :]) & (key_pos[None, :] < problem.key_len)
-  if problem.window_size is not None:
-    mask = mask & (query_pos[:, None] - key_pos[None, :] < problem.window_size)
+  """[Q, K] visibility through the causal/window part (sinks and kept keys come from the list).
+
+  Per-key terms are combined per column first, so each element costs compares and ands only
+  (masked tiles are per-element work in the kernels' inner loops)."""
+  key_ok = key_pos < problem.key_len
   if key_valid is not None:
-    mask = mask & (key_valid[None, :] != 0)
+    key_ok = key_ok & (key_valid != 0)
+  mask = (query_pos[:, None] >= key_pos[None, :]) & key_ok[None, :]
+  if problem.window_size is not None:  # q - k < window, i.e. q < k + window
+    mask = mask & (query_pos[:, None] < (key_pos + problem.window_size)[None, :])
   return mask
 
 
 def kept_mask(problem: Problem, query_pos, entry_pos):
-  """[Q, C] visibility of list entries: only those outside the query's window (no double count)."""
-  return query_pos[:, None] - entry_pos[None, :] >= problem.window_size
+  """[Q, C] visibility of list entries: only those outside the query's window (no double count):
+  q - e >= window, i.e. q >= e + window (one compare per element; PAD_POSITION + window stays
+  far below int32's limit)."""
+  return query_pos[:, None] >= (entry_pos + problem.window_size)[None, :]
