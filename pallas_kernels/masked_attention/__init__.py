@@ -69,24 +69,27 @@ def _under_multi_device_mesh() -> bool:
 
 
 def _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS) -> bool:
-  """Plain causal or SWA training attention in bf16/f16 that cuDNN's fused kernel covers.
+  """Plain attention in bf16/f16 where cuDNN's fused kernel was measured faster than ours.
 
-  On one H200 (B8 T4096 Hq32 Hkv8 D64 bf16, docs/benchmarks.md "Attention kernels") cuDNN's
-  fwd+bwd beat ours by 1.06-1.23x (SWA-1024) and 1.46x (causal), so `implementation=None` sends
-  these cases to it; sinks, kept keys, key padding and T < S stay on the Pallas kernels. Not under
-  a mesh of several devices: there the gdn_swa-0.4b FSDP step crashed with SIGSEGV on 2 x H200
-  (session 9) and runs on the Pallas kernels (docs/benchmarks.md, "Multi-GPU").
+  One H100, B8 T4096 Hq32 Hkv8 D64 bf16, paired (docs/benchmarks.md, session 10): plain causal
+  fwd+bwd is ours 1.14x (B2 T16384: 1.35x) cuDNN, so causal goes to cuDNN; SWA-1024 fwd+bwd is
+  ours 0.91-0.93x at 4K-16K, so windows at head dim 64 stay on the Pallas kernels (at head dim
+  128, not measured, cuDNN keeps them). Sinks, kept keys, key padding and T < S are ours anyway.
+  Not under a mesh of several devices: there the gdn_swa-0.4b FSDP step crashed with SIGSEGV in
+  cuDNN's path on 2 x H200 (sessions 9-10; docs/benchmarks.md, "Multi-GPU").
   """
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  head_dim = q_BTHD.shape[-1]
+  plain_window = num_sinks == 0 and kept_BSK is None
   return (
       on_gpu()
       and not _under_multi_device_mesh()
       and jnp.dtype(q_BTHD.dtype) in half
       and q_BTHD.dtype == k_BSKD.dtype == v_BSKD.dtype
-      and q_BTHD.shape[-1] in (64, 128) and v_BSKD.shape[-1] == q_BTHD.shape[-1]
+      and head_dim in (64, 128) and v_BSKD.shape[-1] == head_dim
       and q_BTHD.shape[1] == k_BSKD.shape[1]
       and key_valid_BS is None
-      and (window_size is None or (num_sinks == 0 and kept_BSK is None)))
+      and (window_size is None or (head_dim == 128 and plain_window)))
 
 
 def _cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, scale, window_size):
@@ -126,7 +129,7 @@ def masked_attention(
     key_valid_BS: bool [B, S]; False keys (left padding) are never visible.
     implementation: see `pallas_kernels.dispatch.resolve`: "xla" (dense reference) or "pallas"
       (tiled kernels that visit only the window tiles and the kept keys; the GPU default). With
-      None on GPU, plain causal/SWA attention in bf16/f16 goes to cuDNN (measured faster, see
+      None on GPU, plain causal attention in bf16/f16 goes to cuDNN (measured faster, see
       `_cudnn_handles`) and inputs the Pallas version cannot handle (`pallas.check_supported`)
       use "xla".
 

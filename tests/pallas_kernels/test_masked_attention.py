@@ -268,10 +268,11 @@ def test_bad_arguments_raise_value_error(case):
     masked_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), **kwargs)
 
 
-def test_gpu_default_routes_plain_windows_to_cudnn_and_lte_masks_to_pallas(monkeypatch):
-  """implementation=None on a GPU: cuDNN where it covers the mask, the Pallas kernel otherwise.
-  Checked on any backend by standing in for the GPU and both versions (shapes used nowhere else,
-  so no earlier trace is reused)."""
+def test_gpu_default_routes_causal_to_cudnn_and_windows_to_pallas(monkeypatch):
+  """implementation=None on a GPU: cuDNN where it was measured faster (plain causal, and plain
+  windows at head dim 128), the Pallas kernels otherwise (windows at head dim 64, LTE masks, any
+  call under a multi-device mesh). Checked on any backend by standing in for the GPU and both
+  versions (shapes used nowhere else, so no earlier trace is reused)."""
   import pallas_kernels.masked_attention as entry  # pylint: disable=import-outside-toplevel
   calls = []
   monkeypatch.setattr(entry, "on_gpu", lambda: True)
@@ -281,14 +282,19 @@ def test_gpu_default_routes_plain_windows_to_cudnn_and_lte_masks_to_pallas(monke
                       lambda q, k, v, **kwargs: calls.append("pallas") or jnp.zeros_like(q))
   monkeypatch.setattr(entry.pallas, "check_supported", lambda *args, **kwargs: None)
   rng = np.random.default_rng(3)
-  q = jnp.asarray(rng.normal(size=(1, 23, 4, 64)), jnp.bfloat16)
-  k = v = jnp.asarray(rng.normal(size=(1, 23, 2, 64)), jnp.bfloat16)
-  entry.masked_attention(q, k, v, window_size=7)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, k = normal(1, 23, 4, 64), normal(1, 23, 2, 64)
+  entry.masked_attention(q, k, k)
+  entry.masked_attention(q, k, k, window_size=7)
   kept = jnp.asarray(rng.random((1, 23, 2)) < 0.3)
-  entry.masked_attention(q, k, v, window_size=7, num_sinks=1, kept_BSK=kept)
-  assert calls == ["cudnn", "pallas"]
-  # Under a mesh of several devices plain windows go to Pallas too (cuDNN crashed the FSDP step).
-  # A shape not traced above, so the jit cache cannot answer for the new mesh context.
+  entry.masked_attention(q, k, k, window_size=7, num_sinks=1, kept_BSK=kept)
+  q128, k128 = normal(1, 23, 4, 128), normal(1, 23, 2, 128)
+  entry.masked_attention(q128, k128, k128, window_size=7)
+  assert calls == ["cudnn", "pallas", "pallas", "cudnn"]
+  # Under a mesh of several devices everything goes to Pallas (cuDNN crashed the FSDP step).
+  # Shapes not traced above, so the jit cache cannot answer for the new mesh context.
+  calls.clear()
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
-    entry.masked_attention(q[:, :21], k[:, :21], v[:, :21], window_size=7)
-  assert calls == ["cudnn", "pallas", "pallas"]
+    entry.masked_attention(q[:, :21], k[:, :21], k[:, :21])
+    entry.masked_attention(q128[:, :21], k128[:, :21], k128[:, :21], window_size=7)
+  assert calls == ["pallas", "pallas"]

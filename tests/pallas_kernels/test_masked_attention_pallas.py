@@ -268,7 +268,7 @@ def test_gpu_inference_forward_matches_reference(blocks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("window_size,num_sinks", [(None, 0), (100, 0), (100, 2)])
 def test_gpu_default_implementation_matches_reference(window_size, num_sinks):
-  """implementation=None: cuDNN for plain causal/SWA in bf16, the Pallas kernels with sinks."""
+  """implementation=None: cuDNN for plain causal in bf16, the Pallas kernels for windows."""
   fn = lambda q, k, v, **kw: masked_attention(q, k, v, **kw)
   _check_against_reference(fn, dtype=jnp.bfloat16, batch=1, query_len=300, key_len=300,
                            num_q_heads=4, num_kv_heads=2, head_dim=64, window_size=window_size,
