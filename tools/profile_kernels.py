@@ -111,13 +111,14 @@ def main(argv=None) -> int:
     cases.append(decode_cases(args.presets, args.batch, args.sets, args.decode_configs))
   if "attention" in args.cases:
     cases.append(attention_cases([(32768 // length, length) for length in args.lengths]))
+  if args.trace_dir:
+    os.makedirs(args.trace_dir, exist_ok=True)
   results = []
   for generator in cases:
     for name, timed, calls_per_pass in generator:
       try:
         trace = None
         if args.trace_dir:
-          os.makedirs(args.trace_dir, exist_ok=True)
           trace = os.path.join(args.trace_dir, f"case{len(results)}.xplane.pb")
         times = kernel_times(timed, passes=args.passes, keep_trace=trace)
       except Exception as error:  # pylint: disable=broad-except
