@@ -1,6 +1,6 @@
 """Mesh axis names, and kernels run per shard.
 
-The trainer's mesh has the axes ("data", "fsdp", "tensor") (`train/sharding.py` holds the
+The trainer's mesh has the axes ("data", "fsdp", "tensor") (`lalte_jax/train/sharding.py` holds the
 parameter rules). Batches are split over data x fsdp; "tensor" may split attention and GDN heads.
 
 Why `per_shard`: XLA's SPMD partitioner cannot split a Pallas (Triton) custom call. Given

@@ -15,8 +15,8 @@ def test_readme_has_exactly_two_quickstart_commands():
   assert len(commands) == 2, commands
   setup = "python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]' && "
   assert all(c.startswith(setup) for c in commands)
-  assert commands[0].endswith("-m train --config configs/readme_demo.py")
-  assert (ROOT / "configs" / "readme_demo.py").is_file()
+  assert commands[0].endswith("lalte-train --config readme_demo")
+  assert (ROOT / "lalte_jax" / "configs" / "readme_demo.py").is_file()
   assert "-m pytest" in commands[1]
 
 

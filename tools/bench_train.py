@@ -4,7 +4,7 @@
     python tools/bench_train.py --presets lalte-1.4b --batch 2 --remat block   # does it fit?
     python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
 
-The step is the one `python -m train` runs: `train.trainer.Trainer` builds it (AdamW, float32
+The step is the one `python -m lalte_jax.train` runs: `train.trainer.Trainer` builds it (AdamW, float32
 master weights, `--dtype` compute, `--remat`, gradient accumulation over `--grad_accum`
 micro-batches, FSDP over `--mesh_fsdp` devices), here fed a fixed batch of random tokens (no
 dataset). `--batch` is the per-device micro-batch: one step processes
@@ -14,9 +14,9 @@ Per preset: compile time (lower + compile of the step), then `--warmup` untimed 
 median wall time of `--steps` steps (each waited for with block_until_ready), tokens/s, MFU, and
 the device's peak memory (`memory_stats()["peak_bytes_in_use"]`; null where the backend has none,
 e.g. CPU) next to the memory JAX may use (`bytes_limit`: by default 0.75 of the GPU, see
-`--mem_fraction`). MFU uses the model FLOP count of `train.metrics.flops_per_token` (6 N per
+`--mem_fraction`). MFU uses the model FLOP count of `lalte_jax.train.metrics.flops_per_token` (6 N per
 token for the matmul parameters + the attention / delta-rule mixer terms, forward + backward, no
-remat recompute) over `train.metrics.peak_flops_per_device` (dense bf16 datasheet peak;
+remat recompute) over `lalte_jax.train.metrics.peak_flops_per_device` (dense bf16 datasheet peak;
 `--peak_tflops` overrides). XLA's own count of the compiled step (`xla_flops_per_step`: remat
 recompute included, custom kernels not) is reported next to it where the backend gives one.
 
@@ -40,7 +40,7 @@ import time
 import traceback
 
 # jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK fusions on small thread pools (see
-# train/__main__.py); CPU-only flag, set before JAX creates its backends.
+# lalte_jax/train/cli.py); CPU-only flag, set before JAX creates its backends.
 if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
                              ).strip()
@@ -115,10 +115,10 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from train import sharding  # pylint: disable=import-outside-toplevel
-  from train.config import TrainConfig  # pylint: disable=import-outside-toplevel
-  from train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
-  from train.trainer import Trainer, with_labels  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train import sharding  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.trainer import Trainer, with_labels  # pylint: disable=import-outside-toplevel
 
   variant, _, size = preset.rpartition("-")
   mesh = sharding.make_mesh(-1, args.mesh_fsdp, 1)
@@ -131,7 +131,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
                        peak_tflops_per_device=args.peak_tflops, progress_bar=False,
                        tensorboard=False)
   if args.implementation is not None:
-    from train import model_overrides  # pylint: disable=import-outside-toplevel
+    from lalte_jax.train import model_overrides  # pylint: disable=import-outside-toplevel
     config = config.replace(model_overrides=model_overrides.implementation_overrides(
         config.model_config(), args.implementation))
   result = {"preset": preset, "implementation": args.implementation or "default",

@@ -128,7 +128,7 @@ case "$stage" in
     done
     ;;
   study)
-    # STUDY_SETTINGS (default "base"): the settings of configs/repro/common.py to run side by side,
+    # STUDY_SETTINGS (default "base"): the settings of lalte_jax/configs/repro/common.py to run side by side,
     # six trainings each. Trainings stop at the deadline (they then evaluate what they have).
     # STUDY_LRS / STUDY_MODELS: comma-separated learning rates / models (default: the study's). At
     # most 12 trainings share the GPU at once. Measured on an H100: 6 at once run at ~17-20 steps/s

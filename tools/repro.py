@@ -1,4 +1,4 @@
-"""Reproduction study: trains the six small models of configs/repro one after another in this
+"""Reproduction study: trains the six small models of lalte_jax/configs/repro one after another in this
 process, evaluates each on long-gap MQAR and passkey (S-NIAH-1 in token ids) at lengths beyond
 the attention windows, and writes `results.json`, `results.md` and per-model runs under --out.
 
@@ -70,7 +70,7 @@ def parse_args(argv):
   parser.add_argument("--models", default=",".join(common.MODELS),
                       help=f"comma-separated subset of {','.join(common.MODELS)}")
   parser.add_argument("--setting", default="base", choices=sorted(common.SETTINGS),
-                      help="pairs per sequence and GDN state size (configs/repro/common.py)")
+                      help="pairs per sequence and GDN state size (lalte_jax/configs/repro/common.py)")
   parser.add_argument("--steps", type=int, help="override the training steps of every model")
   parser.add_argument("--train-batch", type=int,
                       help="override the training batch (sequences per step) of every model")
@@ -123,8 +123,8 @@ def run_dir(out: pathlib.Path, variant: str, lr: float) -> pathlib.Path:
 
 def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
   """Trains one (model, lr) run on the curriculum, evaluates it, writes its records.json."""
-  from train.export import export_state_params  # pylint: disable=import-outside-toplevel
-  from train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.export import export_state_params  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
   directory = run_dir(pathlib.Path(args.out), variant, lr)
   config = common.repro_config(variant, smoke=args.smoke, output_dir=str(directory), lr=lr,
                                setting=args.setting)
@@ -134,7 +134,7 @@ def train_and_evaluate(variant: str, lr: float, args, common) -> list[dict]:
   if args.train_batch is not None:
     config = config.replace(global_batch_size=args.train_batch)
   if args.implementation is not None:
-    from train import model_overrides  # pylint: disable=import-outside-toplevel
+    from lalte_jax.train import model_overrides  # pylint: disable=import-outside-toplevel
     extra = model_overrides.implementation_overrides(config.model_config(), args.implementation)
     config = config.replace(model_overrides=dict(config.model_overrides) | extra)
   long_gap = common.SMOKE_LONG_GAP if args.smoke else common.LONG_GAP
@@ -261,7 +261,7 @@ def _write(args, common, models, records, every):
   payload = {"models": models, "smoke": args.smoke, "setting": args.setting, "tasks": list(TASKS),
              "device": device, "results": records, "all_runs": every}
   config = common.repro_config(models[0], smoke=args.smoke, setting=args.setting)
-  markdown = (f"# Reproduction study (configs/repro, setting {args.setting})\n\nAccuracy (%) on"
+  markdown = (f"# Reproduction study (lalte_jax/configs/repro, setting {args.setting})\n\nAccuracy (%) on"
               " long-gap MQAR (teacher-forced, every queried pair beyond the windows;"
               f" {config.mqar_num_kv_pairs} pairs) and passkey (S-NIAH-1 in token ids, greedy) at"
               f" each evaluation length; training length {config.seq_len}; per model the"

@@ -17,7 +17,7 @@ import os
 import pathlib
 import sys
 
-# jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK on small thread pools (see train/__main__.py).
+# jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK on small thread pools (see lalte_jax/train/cli.py).
 if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
                              ).strip()
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="long-gap MQAR gap (default: from the model's attention windows)")
   parser.add_argument("--sniah-max-new-tokens", type=int, default=64)
   parser.add_argument("--haystack-dir", help="directory of essay .txt files (sniah2, sniah3)")
-  parser.add_argument("--data-dir", help="held-out corpus from tools/prepare_data.py (ppl)")
+  parser.add_argument("--data-dir", help="held-out corpus from lalte_jax/data/prepare.py (ppl)")
   parser.add_argument("--ppl-sequences", type=int, default=64)
   parser.add_argument("--evaporate-dir", help="directory of <task>.jsonl files (EVAPORATE)")
   parser.add_argument("--evaporate-context-length", type=int, default=4096)

@@ -1,4 +1,4 @@
-"""Held-out perplexity and bits per byte on a corpus written by tools/prepare_data.py.
+"""Held-out perplexity and bits per byte on a corpus written by lalte_jax/data/prepare.py.
 
 Every next token of each packed sequence is scored (labels[t] = tokens[t+1], the pretraining
 objective), through the cached prefill path like every evaluation here. Bits per byte = total NLL

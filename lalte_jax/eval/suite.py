@@ -61,7 +61,7 @@ class EvalOptions:
     if {"sniah2", "sniah3"} & set(self.tasks) and not self.haystack_dir:
       raise ValueError("haystack_dir: sniah2/sniah3 need a directory of essay .txt files")
     if "ppl" in self.tasks and not self.data_dir:
-      raise ValueError("data_dir: ppl needs a held-out corpus written by tools/prepare_data.py")
+      raise ValueError("data_dir: ppl needs a held-out corpus written by lalte_jax/data/prepare.py")
     if set(evaporate.TASKS) & set(self.tasks) and not self.evaporate_dir:
       raise ValueError("evaporate_dir: EVAPORATE tasks read <dir>/<task>.jsonl")
 

@@ -185,5 +185,5 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
 
 def load_model(directory: str | pathlib.Path, dtype: str | None = None) -> HybridLM:
   """The model (full stored config + float32 parameters) of a params-only checkpoint, as the
-  trainer's export (`python -m train.export`, `<run_dir>/export`) writes it."""
+  trainer's export (`python -m lalte_jax.train.export`, `<run_dir>/export`) writes it."""
   return load_params(directory, dtype=dtype)

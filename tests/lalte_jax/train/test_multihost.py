@@ -1,0 +1,162 @@
+"""Multi-process training through the real CLI on localhost: 2 processes x 2 CPU devices give the
+losses of 1 process x 4 devices, and a dead process makes the survivor exit within a bound.
+
+Each run is `python -m lalte_jax.train --config lalte_jax/configs/tiny_mqar.py --set ...` in child processes (the CPU
+device count is fixed when XLA's backend starts; `jax.distributed` starts once per process), with
+a fresh coordinator port per run. Losses come from the JSONL metrics log that process 0 writes.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+CONFIG = REPO / "lalte_jax" / "configs" / "tiny_mqar.py"
+# float32 so that 1e-6 is meaningful; fsdp=2 shards the parameters across the two processes;
+# two micro-batches exercise accumulation; a metrics record every step; the step watchdog armed
+# (it must stay quiet).
+COMMON_SETTINGS = ("model_dtype=float32", "seq_len=64", "global_batch_size=8", "warmup_steps=1",
+                   "lr=3e-3", "mesh_fsdp=2", "log_every=1", "eval_batches=1",
+                   "num_eval_examples=8", "progress_bar=false", "tensorboard=false",
+                   "step_timeout_s=600")
+COMPARED_METRICS = ("loss", "ce_loss", "grad_norm", "lte_retained")
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def _launch(run_dir: pathlib.Path, settings: list[str], *, devices: int,
+            process_id: int | None = None, port: int | None = None,
+            extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
+  """Starts one CLI process with `devices` CPU devices; its output goes to a log in `run_dir`."""
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+                       " --xla_cpu_use_xnnpack=false")
+  for name in ("LALTE_COORDINATOR_ADDRESS", "LALTE_NUM_PROCESSES", "LALTE_PROCESS_ID"):
+    env.pop(name, None)
+  command = [sys.executable, "-m", "lalte_jax.train", "--config", str(CONFIG), *extra_flags]
+  if process_id is not None:
+    command += ["--coordinator_address", f"localhost:{port}", "--num_processes", "2",
+                "--process_id", str(process_id)]
+  for setting in (*COMMON_SETTINGS, f"output_dir={run_dir}", *settings):
+    command += ["--set", setting]
+  run_dir.mkdir(parents=True, exist_ok=True)
+  log = open(run_dir / f"process{0 if process_id is None else process_id}.log", "w",
+             encoding="utf-8")
+  with log:  # the child holds its own copy of the descriptor
+    return subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait(proc: subprocess.Popen, run_dir: pathlib.Path, timeout: float) -> int:
+  try:
+    return proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    pytest.fail(f"process {proc.pid} ran past {timeout} s; logs in {run_dir}")
+
+
+def _log_tail(run_dir: pathlib.Path) -> str:
+  return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}"
+                   for path in sorted(run_dir.glob("process*.log")))
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
+  path = run_dir / "metrics.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one(tmp_path):
+  num_steps = 3
+  settings = [f"steps={num_steps}", "grad_accum_steps=2"]
+  port = _free_port()
+  single_dir, multi_dir = tmp_path / "one_process", tmp_path / "two_processes"
+  procs = [(_launch(single_dir, settings, devices=4), single_dir)]
+  procs += [(_launch(multi_dir, settings, devices=2, process_id=i, port=port), multi_dir)
+            for i in (0, 1)]
+  for proc, run_dir in procs:
+    assert _wait(proc, run_dir, timeout=600) == 0, _log_tail(run_dir)
+
+  single, multi = _records(single_dir), _records(multi_dir)
+  assert [r["step"] for r in single] == list(range(1, num_steps + 1)), _log_tail(single_dir)
+  assert [r["step"] for r in multi] == [r["step"] for r in single], _log_tail(multi_dir)
+  assert "4 devices on 2 process(es)" in (multi_dir / "process0.log").read_text()
+  assert all(np.isfinite(r["loss"]) for r in single)
+  assert len({r["loss"] for r in single}) == num_steps  # the model trains: losses move
+  for name in COMPARED_METRICS:
+    np.testing.assert_allclose([r[name] for r in multi], [r[name] for r in single],
+                               rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker_dies", "coordinator_dies"])
+def test_survivor_exits_when_a_process_dies(tmp_path, victim):
+  heartbeat_timeout_s, bound_s = 10, 60
+  port = _free_port()
+  # Any model shows the failure; plain GDN compiles fastest.
+  procs = [_launch(tmp_path, ["variant=gdn", "steps=100000", "grad_accum_steps=1"], devices=2,
+                   process_id=i, port=port,
+                   extra_flags=("--heartbeat_timeout_s", str(heartbeat_timeout_s)))
+           for i in (0, 1)]
+  try:
+    deadline = time.monotonic() + 600
+    while len(_records(tmp_path)) < 2:  # both processes are past compilation and stepping
+      assert all(p.poll() is None for p in procs), _log_tail(tmp_path)
+      assert time.monotonic() < deadline, _log_tail(tmp_path)
+      time.sleep(0.5)
+    procs[victim].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    survivor = procs[1 - victim]
+    returncode = _wait(survivor, tmp_path, timeout=bound_s + 60)
+    elapsed_s = time.monotonic() - killed_at
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  assert returncode != 0, _log_tail(tmp_path)
+  assert elapsed_s < bound_s, f"survivor took {elapsed_s:.1f} s\n{_log_tail(tmp_path)}"
+  # It stopped because the distributed service saw the peer die, not for some other reason.
+  assert "distributed service detected fatal errors" in (
+      tmp_path / f"process{1 - victim}.log").read_text(), _log_tail(tmp_path)
+
+
+def test_single_process_settings_start_nothing(monkeypatch):
+  from lalte_jax.train.distributed import initialize_distributed  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("LALTE_COORDINATOR_ADDRESS", raising=False)
+  monkeypatch.setenv("LALTE_NUM_PROCESSES", "2")
+  assert not initialize_distributed()  # no coordinator
+  assert not initialize_distributed("localhost:1234", 1, 0)  # one process
+
+
+@pytest.mark.parametrize("arguments,environment,message", [
+    (("localhost:1", 2, None), {}, "process id None"),
+    (("localhost:1", 2, 2), {}, r"lie in \[0, 2\)"),
+    ((None, None, None), {"LALTE_COORDINATOR_ADDRESS": "localhost:1",
+                          "LALTE_NUM_PROCESSES": "two"}, "LALTE_NUM_PROCESSES='two'"),
+    (("localhost:1", 2, 0), {"LALTE_HEARTBEAT_TIMEOUT_S": "0"}, "heartbeat_timeout_seconds"),
+])
+def test_bad_distributed_settings_fail_before_starting(monkeypatch, arguments, environment,
+                                                        message):
+  from lalte_jax.train.distributed import initialize_distributed  # pylint: disable=import-outside-toplevel
+  for name in ("LALTE_COORDINATOR_ADDRESS", "LALTE_NUM_PROCESSES", "LALTE_PROCESS_ID",
+               "LALTE_HEARTBEAT_TIMEOUT_S", "LALTE_INIT_TIMEOUT_S"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in environment.items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=message):
+    initialize_distributed(*arguments)

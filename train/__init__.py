@@ -1,1 +1,0 @@
-"""Training: config, optimizer, LTE controller, step, sharding, metrics, trainer and CLI (`python -m train`)."""
