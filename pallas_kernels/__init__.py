@@ -1,5 +1,8 @@
 """Pure array functions, one folder per op: `reference.py` (plain jnp, the ground truth), fast
-versions (`pallas.py`, `triton.py`) and one public entry with an `implementation=` argument.
+versions (`pallas*.py`, and `cudnn.py` where a cuDNN kernel serves) and one public entry with an
+`implementation=` argument (`dispatch.py`: the names, and each op's default in its `__init__.py`).
+Shared pieces: `pallas_common.py` (helpers of every Pallas kernel) and `attention_checks.py` (the
+attention entries' argument checks).
 
 This package never imports `lalte_jax`.
 """

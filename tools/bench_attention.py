@@ -37,9 +37,8 @@ from pallas_kernels.masked_attention.tiling import BlockSizes
 SHAPES = ((8, 4096), (4, 8192), (2, 16384))
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
 # Block-size candidates timed by --sweep (B8 T4096). SWEEP_FORWARD changes forward blocks only and
-# is timed "fwd" on SWA-1024 and on the LTE prefill; pack_gqa puts the 4 query heads of a KV head in
-# one program (block_q then counts positions: rows = 4 x block_q). SWEEP_BACKWARD changes backward
-# blocks only (SWA-1024 "fwd+bwd"); SWEEP_TRAIN is timed "fwd+bwd" on the LTE training call.
+# is timed "fwd" on SWA-1024 and on the LTE prefill. SWEEP_BACKWARD changes backward blocks only
+# and is timed "fwd+bwd" on SWA-1024 and on the LTE training call.
 SWEEP_FORWARD = (
     BlockSizes(),
     # 64 x 128 tiles on one warpgroup: the tile of cuDNN's SWA forward kernel on an H100 (its
@@ -53,32 +52,11 @@ SWEEP_FORWARD = (
     BlockSizes(block_q=128, block_k=128, num_warps=8),
     BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     BlockSizes(block_q=128, block_k=32, num_stages=3),
-    BlockSizes(pack_gqa=True, block_q=16, block_k=64),
-    BlockSizes(pack_gqa=True, block_q=16, block_k=128),
-    BlockSizes(pack_gqa=True, block_q=32, block_k=64),
-    BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
-    BlockSizes(pack_gqa=True, block_q=32, block_k=32, num_warps=8, num_stages=4),
-    BlockSizes(pack_gqa=True, block_q=64, block_k=32, num_warps=8),
-    BlockSizes(pack_gqa=True, block_q=64, block_k=64, num_warps=8, num_stages=2),
-)
-# Prefill only (a prefill call reads the kept list by position whatever the flag says; the flag
-# only names these rows apart from SWEEP_FORWARD's). Session 10: pipeline depth, and 128-row query
-# tiles on one warpgroup (two independent 64-row halves per step; 896 keys visited per window
-# instead of 832, so it must win > 8% per tile).
-SWEEP_PREFILL = (
-    BlockSizes(gather_kept_in_kernel=True),
-    BlockSizes(gather_kept_in_kernel=True, num_stages=2),
-    BlockSizes(gather_kept_in_kernel=True, num_stages=4),
-    BlockSizes(gather_kept_in_kernel=True, block_q=128),
-    BlockSizes(gather_kept_in_kernel=True, block_q=128, num_stages=2),
-    BlockSizes(gather_kept_in_kernel=True, block_k=32, num_stages=4),
-)
-SWEEP_TRAIN = (
-    BlockSizes(),
-    BlockSizes(gather_kept_in_kernel=True),
-    BlockSizes(pack_gqa=True, block_q=16, block_k=64),
-    BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
-    BlockSizes(gather_kept_in_kernel=True, pack_gqa=True, block_q=32, block_k=64, num_warps=8),
+    # 128-row query tiles on one warpgroup (two independent 64-row halves per step; 896 keys
+    # visited per window instead of 832, so it must win > 8% per tile).
+    BlockSizes(block_q=128),
+    BlockSizes(block_q=128, num_stages=2),
+    BlockSizes(block_k=32, num_stages=4),
 )
 SWEEP_BACKWARD = (
     BlockSizes(),
@@ -134,29 +112,11 @@ def jax_variants(block_sizes=None):
       "ours SWA-1024": (ours(window_size=SWA_WINDOW), "cuDNN SWA-1024"),
       "ours LTE train (769 + 4 sinks + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
-      # The kept-list dk/dv both ways (the default picks by length, BlockSizes.kept_split): one
-      # program per list tile leaves few programs busy at long T (B x Hkv x real list tiles: 256
-      # at B8 T4096, 64 at B2 T16384, each walking every later query tile); the split runs one
-      # program per chunk of 8 query tiles and adds with atomics.
-      "ours LTE train (769 + 4 sinks + 256 kept), kept dk/dv per list tile": (
-          ours_blocks(BlockSizes(kept_query_tiles_per_program=0), True,
-                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
-      "ours LTE train (769 + 4 sinks + 256 kept), kept dk/dv split 8": (
-          ours_blocks(BlockSizes(kept_query_tiles_per_program=8), True,
-                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
-      "ours LTE train (769 + 4 sinks + 256 kept), kept dk/dv split 4": (
-          ours_blocks(BlockSizes(kept_query_tiles_per_program=4), True,
-                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill (769 + 256 kept)": (
           ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
       # The prefill's window part alone: what the kept list adds to the prefill is the difference.
       "ours SWA-769 (the prefill without its kept list)": (
           ours(window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
-      # BlockSizes.gather_kept_in_kernel: no [B, S, Hkv, D] copies of the kept K/V in training
-      # (a prefill call always reads them by position).
-      "ours LTE train (769 + 4 sinks + 256 kept), K/V by position in kernel": (
-          ours_blocks(BlockSizes(gather_kept_in_kernel=True), True,
-                      window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
       "ours LTE prefill + padding mask": (
           ours(True, True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
       # The XLA part of the prefill alone (kept list: positions, gathered K/V copies, per-tile
@@ -225,9 +185,9 @@ def bench_jax(batch, length, args, results):
     variants = {"cuDNN SWA-1024": jax_variants()["cuDNN SWA-1024"]}
     modes = {"cuDNN SWA-1024": ("fwd", "fwd+bwd")}
     swept = (("ours SWA-1024", "fwd", SWEEP_FORWARD),
-             ("ours LTE prefill (769 + 256 kept)", "fwd", SWEEP_FORWARD + SWEEP_PREFILL),
+             ("ours LTE prefill (769 + 256 kept)", "fwd", SWEEP_FORWARD),
              ("ours SWA-1024", "fwd+bwd", SWEEP_BACKWARD),
-             ("ours LTE train (769 + 4 sinks + 256 kept)", "fwd+bwd", SWEEP_TRAIN))
+             ("ours LTE train (769 + 4 sinks + 256 kept)", "fwd+bwd", SWEEP_BACKWARD))
     for base, tag, candidates in swept:
       for blocks in candidates:
         changed = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)

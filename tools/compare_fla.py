@@ -123,7 +123,7 @@ def ours(config: ChunkConfig):
 def prep_fns(config: PrepareConfig | None = None, fused: bool = False):
   """Jitted preparation (step a): forward, and forward + backward (cotangents = the outputs).
   fused=False: XLA + the Pallas inverse and XLA's autodiff; True: the Pallas kernels forward and
-  backward (the default, ChunkConfig.fused_prepare)."""
+  backward (what implementation="pallas" runs)."""
   def forward(q, k, v, g, beta):
     if fused:
       return prepare_chunks(q, k, v, g, beta, None, True, 64, config)

@@ -10,46 +10,26 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
+from pallas_kernels.attention_checks import check_mask, check_qkv
 from pallas_kernels.decode_attention import pallas, reference
 from pallas_kernels.decode_attention.pallas import DecodeBlockSizes
 from pallas_kernels.dispatch import Implementation, resolve
 
 __all__ = ["decode_attention", "DecodeBlockSizes"]
 
+# What implementation=None runs on a GPU: the split-K kernel (bandwidth-bound, reads each slot
+# once for all G query heads); head dims it cannot tile go to "xla".
+GPU_DEFAULT = ("pallas", "xla")
+
 
 def _check_arguments(q_BHD, k_BNKD, v_BNKD, length_BK, key_valid):
-  if q_BHD.ndim != 3:
-    raise ValueError(f"decode_attention: q_BHD must be 3-D [B, Hq, D], got shape {q_BHD.shape}")
-  for name, array in (("k_BNKD", k_BNKD), ("v_BNKD", v_BNKD)):
-    if array.ndim != 4:
-      raise ValueError(f"decode_attention: {name} must be 4-D [B, N, Hkv, D], got {array.shape}")
-  batch, num_q_heads, head_dim = q_BHD.shape
-  _, num_slots, num_kv_heads, key_dim = k_BNKD.shape
-  if k_BNKD.shape[0] != batch:
-    raise ValueError(f"decode_attention: k_BNKD batch {k_BNKD.shape[0]} != q_BHD batch {batch}")
-  if v_BNKD.shape[:3] != k_BNKD.shape[:3]:
-    raise ValueError(f"decode_attention: v_BNKD shape {v_BNKD.shape} must match k_BNKD"
-                     f" {k_BNKD.shape} on [B, N, Hkv]")
-  if key_dim != head_dim:
-    raise ValueError(f"decode_attention: k_BNKD head dim {key_dim} != q_BHD head dim {head_dim}")
-  if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-    raise ValueError(f"decode_attention: query heads ({num_q_heads}) must be a multiple of KV"
-                     f" heads ({num_kv_heads})")
-  if length_BK is not None:
-    if length_BK.shape != (batch, num_kv_heads):
-      raise ValueError(f"decode_attention: length_BK must have shape [B, Hkv] ="
-                       f" {(batch, num_kv_heads)}, got {length_BK.shape}")
-    if not jnp.issubdtype(length_BK.dtype, jnp.integer):
-      raise ValueError(f"decode_attention: length_BK must be integer, got {length_BK.dtype}")
-  if key_valid is not None:
-    if key_valid.shape not in ((batch, num_slots), (batch, num_kv_heads, num_slots)):
-      raise ValueError(f"decode_attention: key_valid must have shape [B, N] = {(batch, num_slots)}"
-                       f" or [B, Hkv, N] = {(batch, num_kv_heads, num_slots)}, got"
-                       f" {key_valid.shape}")
-    if key_valid.dtype != bool:
-      raise ValueError(f"decode_attention: key_valid must be bool, got {key_valid.dtype}")
+  op = "decode_attention"
+  check_qkv(op, q_BHD, k_BNKD, v_BNKD, names=("q_BHD", "k_BNKD", "v_BNKD"), one_query=True)
+  batch, num_slots, num_kv_heads = k_BNKD.shape[:3]
+  check_mask(op, "length_BK", length_BK, {"[B, Hkv]": (batch, num_kv_heads)}, integer=True)
+  check_mask(op, "key_valid", key_valid, {"[B, N]": (batch, num_slots),
+                                          "[B, Hkv, N]": (batch, num_kv_heads, num_slots)})
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "implementation", "block_sizes"))
@@ -73,7 +53,7 @@ def decode_attention(
     scale: score multiplier, default D**-0.5.
     length_BK: int [B, Hkv]; only slots n < length[b, h] are visible (None: all N).
     key_valid: bool [B, N] (shared by the KV heads) or [B, Hkv, N]; False slots are invisible.
-    implementation: see `pallas_kernels.dispatch.resolve`; "xla" or "pallas".
+    implementation: see `pallas_kernels.dispatch`; "xla" or "pallas" (None: GPU_DEFAULT on a GPU).
     block_sizes: tiling of the "pallas" version (None: its defaults).
 
   Returns:
@@ -85,5 +65,6 @@ def decode_attention(
   pallas_version = functools.partial(pallas.decode_attention,
                                      block_sizes=block_sizes or DecodeBlockSizes())
   version = resolve("decode_attention", implementation,
-                    {"xla": reference.decode_attention, "pallas": pallas_version})
+                    {"xla": reference.decode_attention, "pallas": pallas_version},
+                    gpu_default=GPU_DEFAULT)
   return version(q_BHD, k_BNKD, v_BNKD, scale=scale, length_BK=length_BK, key_valid=key_valid)

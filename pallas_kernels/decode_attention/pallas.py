@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# pallas.triton.dot since JAX 0.10 (pallas.dot is deprecated there); older versions: pallas.dot.
-_dot = getattr(plgpu, "dot", None) or pl.dot
-# Triton's tl.dot needs >= 16 along every dimension.
-MIN_DOT_DIM = 16
+from pallas_kernels.pallas_common import (
+    MIN_DOT_DIM, interpret_mode, is_power_of_two, triton_compiler_params, triton_dot)
+
 # Running max before any visible slot: finite, so exp(m_old - m_new) stays 1 instead of NaN while
 # a program has seen only masked slots, and exp(-inf - m) = 0 for the masked scores.
 EMPTY_MAX = -1e30
@@ -91,20 +89,10 @@ def _num_cores() -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def compiler_params(num_warps: int, num_stages: int):
-  """Triton compiler parameters under the class name of this JAX version."""
-  params_class = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-  return params_class(num_warps=num_warps, num_stages=num_stages)
-
-
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and not n & (n - 1)
-
-
 def _check_supported(q_BHD, k_BNKD, v_BNKD):
   head_dim, value_dim = k_BNKD.shape[-1], v_BNKD.shape[-1]
   for name, dim in (("head dim", head_dim), ("value dim", value_dim)):
-    if not _is_pow2(dim) or dim < MIN_DOT_DIM:
+    if not is_power_of_two(dim) or dim < MIN_DOT_DIM:
       raise NotImplementedError(
           f"decode_attention[pallas]: {name} {dim} must be a power of two >= {MIN_DOT_DIM}"
           " (Triton block shapes and tl.dot)")
@@ -132,13 +120,13 @@ def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, heads_per
 
   def attend(carry, q_GD, k_ND, v_NV, visible_N):
     max_G, sum_G, acc_GV = carry
-    scores_GN = _dot(q_GD, k_ND, trans_b=True, precision=precision) * scale
+    scores_GN = triton_dot(q_GD, k_ND, trans_b=True, precision=precision) * scale
     scores_GN = jnp.where(visible_N[None, :], scores_GN, -jnp.inf)
     new_max_G = jnp.maximum(max_G, jnp.max(scores_GN, axis=1))
     rescale_G = jnp.exp(max_G - new_max_G)
     probs_GN = jnp.exp(scores_GN - new_max_G[:, None])
     sum_G = sum_G * rescale_G + jnp.sum(probs_GN, axis=1)
-    acc_GV = acc_GV * rescale_G[:, None] + _dot(probs_GN.astype(v_NV.dtype), v_NV,
+    acc_GV = acc_GV * rescale_G[:, None] + triton_dot(probs_GN.astype(v_NV.dtype), v_NV,
                                                 precision=precision)
     return new_max_G, sum_G, acc_GV
 
@@ -243,8 +231,8 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
       kernel,
       out_shape=out_shape,
       grid=(batch, num_kv_heads // heads_per_program, splits),
-      compiler_params=compiler_params(block_sizes.num_warps, block_sizes.num_stages),
-      interpret=jax.default_backend() != "gpu",
+      compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
+      interpret=interpret_mode(),
       name="decode_attention",
   )(*operands)
   if final:

@@ -28,6 +28,10 @@ from pallas_kernels.gated_delta_rule.reference import (
     naive_recurrent_gated_delta_rule,
 )
 
+# What implementation=None runs on a GPU, for both entries: the Pallas kernels; inputs they cannot
+# take (float64, K or V above 256, a chunk size that is not a power of two >= 16) go to "xla".
+GPU_DEFAULT = ("pallas", "xla")
+
 __all__ = [
     "ChunkConfig",
     "RecurrentConfig",
@@ -45,20 +49,14 @@ class ChunkConfig:
     "xla"; "pallas" needs a power of two >= 16.
   state_pass: launch parameters of the Pallas chunk-scan kernels ("pallas" only); None picks
     them by head size (`pallas_state_pass.default_state_config`).
-  fused_prepare: "pallas" only: the chunks are prepared by Pallas kernels per chunk, forward
-    and backward (the default; see pallas.py for measurements); False runs XLA around the Pallas
-    inverse and differentiates that. Both give the same values within the tolerance table.
   """
   chunk_size: int = 64
   state_pass: StatePassConfig | None = None
-  fused_prepare: bool = True
 
   def __post_init__(self):
     if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) \
         or self.chunk_size < 1:
       raise ValueError(f"ChunkConfig.chunk_size must be a positive int, got {self.chunk_size!r}")
-    if not isinstance(self.fused_prepare, bool):
-      raise ValueError(f"ChunkConfig.fused_prepare must be a bool, got {self.fused_prepare!r}")
     if self.state_pass is not None and not isinstance(self.state_pass, StatePassConfig):
       raise ValueError(
           "ChunkConfig.state_pass must be a StatePassConfig or None, got"
@@ -114,8 +112,7 @@ def _chunk_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state,
   return chunk_gated_delta_rule_pallas(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-      chunk_size=config.chunk_size, state_config=config.state_pass,
-      fused_prepare=config.fused_prepare)
+      chunk_size=config.chunk_size, state_config=config.state_pass)
 
 
 def chunk_gated_delta_rule(
@@ -143,7 +140,8 @@ def chunk_gated_delta_rule(
     initial_state: `[B,H,K,V]` state before the first token (float32), or None for zeros.
     output_final_state: also return the state after the last token.
     use_qk_l2norm: l2-normalise q and k per head inside (x / sqrt(sum x^2 + 1e-6)).
-    implementation: None | "xla" | "pallas" | "triton" (see `pallas_kernels.dispatch`).
+    implementation: None | "xla" | "pallas" (see `pallas_kernels.dispatch`; None: GPU_DEFAULT
+      on a GPU, "xla" elsewhere).
     config: block sizes (`ChunkConfig()` when None).
 
   Returns:
@@ -153,7 +151,7 @@ def chunk_gated_delta_rule(
   """
   _validate("chunk_gated_delta_rule", q, k, v, g, beta, initial_state)
   version = resolve("chunk_gated_delta_rule", implementation,
-                    {"xla": _chunk_xla, "pallas": _chunk_pallas})
+                    {"xla": _chunk_xla, "pallas": _chunk_pallas}, gpu_default=GPU_DEFAULT)
   return version(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
@@ -182,7 +180,8 @@ def fused_recurrent_gated_delta_rule(
   version = resolve(
       "fused_recurrent_gated_delta_rule", implementation,
       {"xla": naive_recurrent_gated_delta_rule,
-       "pallas": fused_recurrent_gated_delta_rule_pallas})
+       "pallas": fused_recurrent_gated_delta_rule_pallas},
+      gpu_default=GPU_DEFAULT)
   return version(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)

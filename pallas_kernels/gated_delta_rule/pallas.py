@@ -1,22 +1,20 @@
 """`implementation="pallas"` of `chunk_gated_delta_rule`: the chunked WY form around Pallas kernels.
 
 Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
-  (a) per chunk, in parallel (xla_prepare.py: XLA batched matmuls around the Pallas chunk
-      inverse, pallas_inverse.py): l2norm, cumulative log-decay, A, T = (I + A)^-1,
+  (a) per chunk, in parallel, Pallas kernels (pallas_prepare.py, with the blockwise chunk inverse
+      of pallas_inverse.py): l2norm, cumulative log-decay, A, T = (I + A)^-1,
       w = T diag(beta exp(G)) k, u = T diag(beta) v, kd = diag(exp(G_C - G)) k, a = exp(G_C); and
-      the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i).
-      By default (a) runs as Pallas kernels per chunk instead, forward and backward
-      (pallas_prepare.py, `fused_prepare=True`: no head-major copies, A and X the only [C, C]
-      tensors in memory). Measured (a) alone on one H100 (session 8), forward + backward, XLA /
-      kernels ms: B4 T4096 H64 K=V=128 8.85 / 6.15, B8 T4096 H8 K=V=256 3.72 / 3.59, K=V=128
-      2.48 / 1.78, B1 T16384 H8 1.79 / 1.08 (forward alone 3.46 / 2.15 at B4 H64);
+      the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i); no
+      head-major copies, A and X the only [C, C] tensors in memory. Measured (a) alone on one
+      H100 (2026-11-23), forward + backward, against the same step as XLA batched matmuls
+      (xla_prepare.py, now the kernels' test reference) in ms: B4 T4096 H64 K=V=128 8.85 /
+      6.15, B8 T4096 H8 K=V=256 3.72 / 3.59, K=V=128 2.48 / 1.78, B1 T16384 H8 1.79 / 1.08
+      (forward alone 3.46 / 2.15 at B4 H64);
   (b) the sequential pass over chunks with the outputs fused in (Pallas, pallas_state_pass.py):
       v_new = u - w h, o = qg h + p v_new, h <- a h + kd^T v_new, keeping each program's state
       slice on chip (the per-chunk states never reach memory unless a gradient needs them).
 The gradient composes the hand-written backwards of the Pallas pieces (`prepare_chunks` and
-`chunk_scan` are custom_vjps); with `fused_prepare=False`, autodiff of the XLA (a) (its inverse a
-custom_vjp). `prepare_scan_inputs` is also the reference the preparation kernels are tested
-against.
+`chunk_scan` are custom_vjps).
 
 Precision: float32 inputs use float32 everywhere at full precision (the float32 tolerance); bf16
 inputs keep float32 states and accumulation, compute the inverse in float32 with TF32 dots, feed
@@ -26,7 +24,6 @@ FLA does.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
@@ -36,11 +33,8 @@ from pallas_kernels.gated_delta_rule.pallas_state_pass import (
     default_state_config,
 )
 from pallas_kernels.gated_delta_rule.reference import compute_dtype
-from pallas_kernels.gated_delta_rule.xla_prepare import (
-    next_power_of_two,
-    prepare_scan_inputs,
-    uses_exact_matmuls,
-)
+from pallas_kernels.gated_delta_rule.xla_prepare import uses_exact_matmuls
+from pallas_kernels.pallas_common import next_power_of_two
 
 __all__ = ["chunk_gated_delta_rule_pallas"]
 
@@ -68,7 +62,6 @@ def _check_supported(q, k, v, g, beta, initial_state, chunk_size):
 def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                                   use_qk_l2norm, chunk_size: int,
                                   state_config: StatePassConfig | None = None,
-                                  fused_prepare: bool = True,
                                   prepare_config: PrepareConfig | None = None):
   """Same contract as `chunk_gated_delta_rule` (inputs validated there)."""
   _check_supported(q, k, v, g, beta, initial_state, chunk_size)
@@ -76,12 +69,6 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_state, out
   store_dtype = "float32" if exact else "bfloat16"
   batch, seq_len, heads, key_dim = q.shape
   value_dim = v.shape[3]
-  if not fused_prepare:
-    *scan_inputs, state_BHKV = prepare_scan_inputs(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size)
-    return _scan(scan_inputs, state_BHKV, chunk_size, store_dtype, exact, state_config,
-                 output_final_state, seq_len, key_dim, value_dim, v.dtype)
   w, u, kd, qg, p, chunk_decay = prepare_chunks(
       q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, prepare_config)
   padded_k, padded_v = w.shape[-1], u.shape[-1]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
+from pallas_kernels.pallas_common import interpret_mode, triton_compiler_params
 
 __all__ = ["inverse_forward", "unit_lower_inverse"]
 
@@ -83,7 +83,7 @@ def inverse_forward(a_XCC, num_warps: int = 1, exact: bool = True):
       out_specs=spec,
       out_shape=jax.ShapeDtypeStruct(a_XCC.shape, jnp.float32 if exact else jnp.bfloat16),
       compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=1),
-      interpret=interpret(),
+      interpret=interpret_mode(),
       name="gdn_unit_lower_inverse",
   )(a_XCC)
 

@@ -46,14 +46,10 @@ from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
     wy_backward_kernel,
     wy_kernel,
 )
-from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
-from pallas_kernels.gated_delta_rule.xla_prepare import (
-    next_power_of_two,
-    uses_exact_matmuls,
-)
+from pallas_kernels.gated_delta_rule.xla_prepare import uses_exact_matmuls
+from pallas_kernels.pallas_common import interpret_mode, next_power_of_two, triton_compiler_params
 
-__all__ = ["PrepareConfig", "next_power_of_two", "prepare_chunks",
-           "uses_exact_matmuls"]
+__all__ = ["PrepareConfig", "prepare_chunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +171,7 @@ def _launcher(padded_len, batch, heads, chunk_size, config, num_warps=None):
   num_warps = config.num_warps if num_warps is None else num_warps
   return functools.partial(pl.pallas_call, grid=(padded_len // chunk_size, batch, heads),
                            compiler_params=triton_compiler_params(num_warps, config.num_stages),
-                           interpret=interpret())
+                           interpret=interpret_mode())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule.pallas_state_pass import kernel_dot
 from pallas_kernels.gated_delta_rule.reference import L2NORM_EPS
+from pallas_kernels.pallas_common import kernel_dot
 
 __all__ = ["attention_backward_kernel", "attention_kernel", "wy_backward_kernel",
            "wy_kernel"]

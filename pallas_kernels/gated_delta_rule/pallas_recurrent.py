@@ -17,13 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta_rule.xla_prepare import next_power_of_two
-from pallas_kernels.gated_delta_rule.pallas_state_pass import interpret, triton_compiler_params
 from pallas_kernels.gated_delta_rule.reference import (
     _prepare_inputs,
     compute_dtype,
     naive_recurrent_gated_delta_rule,
 )
+from pallas_kernels.pallas_common import interpret_mode, next_power_of_two, triton_compiler_params
 
 __all__ = ["RecurrentConfig", "fused_recurrent_gated_delta_rule_pallas"]
 
@@ -88,7 +87,7 @@ def _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
       out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, padded_v), v.dtype),
                  jax.ShapeDtypeStruct((batch, heads, padded_k, padded_v), jnp.float32)],
       compiler_params=triton_compiler_params(config.num_warps, config.num_stages),
-      interpret=interpret(),
+      interpret=interpret_mode(),
       name="gdn_fused_recurrent",
   )(q_BTHK, k_BTHK, v_BTHV, jnp.transpose(g_BTH, (0, 2, 1)), jnp.transpose(beta_BTH, (0, 2, 1)),
     state_BHKV)

@@ -31,10 +31,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["StatePassConfig", "chunk_scan", "default_state_config", "interpret", "kernel_dot",
-           "triton_compiler_params", "xla_matmul"]
+from pallas_kernels.gated_delta_rule.xla_prepare import xla_matmul
+from pallas_kernels.pallas_common import interpret_mode, kernel_dot, triton_compiler_params
+
+__all__ = ["StatePassConfig", "chunk_scan", "default_state_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,34 +104,6 @@ def default_state_config(padded_key_dim: int) -> StatePassConfig:
   return StatePassConfig(block_v=64, num_warps=4, num_stages=1, block_v_train=32,
                          num_warps_train=4, num_stages_train=1, block_v_bwd=32, num_warps_bwd=4,
                          num_stages_bwd=1)
-
-
-def interpret() -> bool:
-  """Interpret mode off the GPU, so CPU tests run the same kernel logic."""
-  return jax.default_backend() != "gpu"
-
-
-def triton_compiler_params(num_warps: int, num_stages: int):
-  # jax 0.10.2 and 0.11.2 both export CompilerParams; older releases named it TritonCompilerParams.
-  params_class = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-  return params_class(num_warps=num_warps, num_stages=num_stages)
-
-
-def kernel_dot(a, b, *, exact: bool, trans_a: bool = False, trans_b: bool = False):
-  """a @ b inside a kernel with float32 accumulation.
-
-  exact: float32 operands at full (IEEE) precision, for float32 inputs; otherwise the operands are
-  rounded to bf16 for the tensor cores (the bf16 tolerance covers that; FLA does the same).
-  """
-  if trans_a:
-    a = a.T
-  if trans_b:
-    b = b.T
-  if exact:
-    return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-                 preferred_element_type=jnp.float32)
 
 
 def _forward_kernel(w_ref, u_ref, kd_ref, qg_ref, p_ref, decay_ref, h0_ref, *out_refs,
@@ -252,16 +225,6 @@ def _outputs_from_states(qg, p, h_chunks, v_new, *, chunk_size, exact):
   return o_BTHV.astype(v_new.dtype)
 
 
-def xla_matmul(exact):
-  """einsum(spec, a, b) in XLA with float32 results: full float32 when exact, else bf16 operands
-  (tensor cores)."""
-  if exact:
-    return functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
-  return lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-                                       preferred_element_type=jnp.float32)
-
-
 def _forward_call(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact, config,
                   store_residuals, with_output):
   batch, heads, padded_len, key_dim = w.shape
@@ -296,7 +259,7 @@ def _forward_call(w, u, kd, qg, p, decay, h0, *, chunk_size, store_dtype, exact,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=triton_compiler_params(num_warps, num_stages),
-      interpret=interpret(),
+      interpret=interpret_mode(),
       name="gdn_chunk_scan_fwd",
   )(w, u, kd, qg, p, decay, h0)
 
@@ -321,7 +284,7 @@ def _backward_pass(w, kd, qg, p, decay, do, dh_final, *, chunk_size, store_dtype
           jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), store_dtype),
           jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)],
       compiler_params=triton_compiler_params(config.num_warps_bwd, config.num_stages_bwd),
-      interpret=interpret(),
+      interpret=interpret_mode(),
       name="gdn_chunk_scan_bwd",
   )(w, kd, qg, p, decay, do, dh_final)
 

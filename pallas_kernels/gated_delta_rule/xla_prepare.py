@@ -1,31 +1,38 @@
-"""The default preparation of the chunked gated delta rule (step (a) of pallas.py): XLA batched
-matmuls around the Pallas chunk inverse (pallas_inverse.py), all chunks at once.
+"""The preparation of the chunked gated delta rule (step (a) of pallas.py) as XLA batched matmuls
+around the Pallas chunk inverse (pallas_inverse.py), all chunks at once: the readable reference
+of the preparation kernels (pallas_prepare.py), whose outputs and gradients the tests compare with
+it, and their timing baseline in tools/compare_fla.py (which times its three parts one by one).
 
 Per batch row, head and chunk of C tokens (REFERENCE_SPEC §2; G = in-chunk cumulative log-decay):
 l2norm, the decays, A = diag(beta) (k k^T ⊙ exp(G_i - G_j)) strictly below the diagonal,
 T = (I + A)^-1 diag(beta), w = T diag(exp(G)) k, u = T v, kd = diag(exp(G_C - G)) k,
 qg = diag(exp(G)) q, p = (q k^T) ⊙ exp(G_i - G_j) (j <= i) and the chunk decay exp(G_C).
-Its gradient is XLA's autodiff with the inverse's closed-form backward. It is also the reference
-of the fused kernels in pallas_prepare.py, and their gradient. Its three parts are separate
-functions so that tools/compare_fla.py can time each.
+Its gradient is XLA's autodiff with the inverse's closed-form backward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta_rule.pallas_inverse import unit_lower_inverse
-from pallas_kernels.gated_delta_rule.pallas_state_pass import xla_matmul
 from pallas_kernels.gated_delta_rule.reference import _prepare_inputs
+from pallas_kernels.pallas_common import next_power_of_two
 
-__all__ = ["chunk_decays", "chunk_layout", "next_power_of_two", "prepare_scan_inputs",
-           "uses_exact_matmuls", "wy_transform"]
+__all__ = ["chunk_decays", "chunk_layout", "prepare_scan_inputs", "uses_exact_matmuls",
+           "wy_transform", "xla_matmul"]
 
 
-def next_power_of_two(size: int, minimum: int = 16) -> int:
-  """The Triton kernels want power-of-two block dims of at least 16 (tensor-core dot operands)."""
-  return max(minimum, 1 << (size - 1).bit_length())
+def xla_matmul(exact):
+  """einsum(spec, a, b) in XLA with float32 results: full float32 when exact, else bf16 operands
+  (tensor cores)."""
+  if exact:
+    return functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  return lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                                       preferred_element_type=jnp.float32)
 
 
 def uses_exact_matmuls(q, k, v) -> bool:

@@ -11,14 +11,17 @@ import functools
 
 import jax
 
-from pallas_kernels.dispatch import Implementation, on_gpu, resolve
+from pallas_kernels.dispatch import Implementation, resolve
 from pallas_kernels.lte_cache_ops import pallas, pallas_compaction, reference
 
 __all__ = ["compact_top_scores", "evict_and_insert"]
 
-# What implementation=None runs on GPU for the prefill compaction: "xla" until
-# tools/bench_decode_attention.py measures the Pallas kernel faster at the model shapes.
-COMPACTION_GPU_DEFAULT = "xla"
+# What implementation=None runs on a GPU. The prefill compaction stays on "xla": the Pallas kernel
+# measured slower at the model shapes (tools/bench_decode_attention.py; 135.8 vs 129.9 us at B8
+# T4096, 431.1 vs 192.0 us at B2 T16384 on one H100). The decode step's evict/insert runs in place
+# in Pallas (one small program per (row, KV head) instead of XLA's copies of the cache).
+COMPACTION_GPU_DEFAULT = ("xla",)
+EVICT_INSERT_GPU_DEFAULT = ("pallas", "xla")
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "cap", "implementation"))
@@ -33,7 +36,7 @@ def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Arra
     cap: b >= 1, the OOW capacity.
     implementation: "xla" (lax.top_k + sort + gathers) or "pallas" (one program per (row, KV
       head): a bitwise threshold search and a prefix-count scatter of the kept rows; scores must
-      not be NaN). None: "xla" off GPU, COMPACTION_GPU_DEFAULT on GPU.
+      not be NaN). None: COMPACTION_GPU_DEFAULT on a GPU, "xla" elsewhere.
 
   Returns:
     oow_k, oow_v [B, cap, K, D], oow_score [B, cap, K] float32 in position order (invalid
@@ -48,11 +51,10 @@ def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Arra
                      f" {num_candidates}")
   if cap < 1:
     raise ValueError(f"compact_top_scores: cap must be >= 1, got {cap}")
-  if implementation is None:
-    implementation = COMPACTION_GPU_DEFAULT if on_gpu() else "xla"
   version = resolve("compact_top_scores", implementation,
                     {"xla": reference.compact_top_scores,
-                     "pallas": pallas_compaction.compact_top_scores})
+                     "pallas": pallas_compaction.compact_top_scores},
+                    gpu_default=COMPACTION_GPU_DEFAULT)
   return version(k_BTKD, v_BTKD, score_BTK, num_candidates, cap)
 
 
@@ -70,7 +72,8 @@ def evict_and_insert(k_BSKD: jax.Array, v_BSKD: jax.Array, score_BSK: jax.Array,
     ptr: [] int32 ring slot of the leaving token, where the new token goes.
     new_k_BKD, new_v_BKD: [B, K, D] the new token; new_score_BK: [B, K] its score.
     window_keys: W.
-    implementation: "xla" or "pallas" (in place through buffer aliasing).
+    implementation: "xla" or "pallas" (in place through buffer aliasing); None:
+      EVICT_INSERT_GPU_DEFAULT on a GPU, "xla" elsewhere.
 
   Returns:
     (k, v, score, past_len) after the step; same shapes and dtypes.
@@ -91,6 +94,7 @@ def evict_and_insert(k_BSKD: jax.Array, v_BSKD: jax.Array, score_BSK: jax.Array,
                      f" {new_v_BKD.shape}, new_score_BK {new_score_BK.shape} must be [B, K, D] /"
                      " [B, K] for the cache's B and K")
   version = resolve("evict_and_insert", implementation,
-                    {"xla": reference.evict_and_insert, "pallas": pallas.evict_and_insert})
+                    {"xla": reference.evict_and_insert, "pallas": pallas.evict_and_insert},
+                    gpu_default=EVICT_INSERT_GPU_DEFAULT)
   return version(k_BSKD, v_BSKD, score_BSK, past_len_BK, ptr, new_k_BKD, new_v_BKD,
                  new_score_BK, window_keys=window_keys)

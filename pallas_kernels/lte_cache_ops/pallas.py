@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_attention.pallas import compiler_params
+from pallas_kernels.pallas_common import interpret_mode, triton_compiler_params
 
 
 def _evict_insert_kernel(ptr_ref, past_len_ref, k_ref, v_ref, score_ref, new_k_ref, new_v_ref,
@@ -87,8 +87,8 @@ def evict_and_insert(k_BSKD, v_BSKD, score_BSK, past_len_BK, ptr, new_k_BKD, new
                  jax.ShapeDtypeStruct(past_len_BK.shape, jnp.int32)),
       grid=(batch, num_kv_heads),
       input_output_aliases={2: 0, 3: 1, 4: 2, 1: 3},
-      compiler_params=compiler_params(num_warps=1, num_stages=1),
-      interpret=jax.default_backend() != "gpu",
+      compiler_params=triton_compiler_params(num_warps=1, num_stages=1),
+      interpret=interpret_mode(),
       name="lte_evict_and_insert",
   )(ptr_1, past_len_BK.astype(jnp.int32), k_BSKD, v_BSKD, score_BSK, new_k_BKD, new_v_BKD,
     new_score_BK)

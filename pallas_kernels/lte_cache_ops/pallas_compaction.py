@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_attention.pallas import compiler_params
+from pallas_kernels.pallas_common import interpret_mode, triton_compiler_params
 
 INT32_MIN = -(1 << 31)
 
@@ -166,8 +166,8 @@ def compact_top_scores(k_BTKD, v_BTKD, score_BTK, num_candidates: int, cap: int,
           jax.ShapeDtypeStruct((batch, length, num_kv_heads), jnp.int8),  # Triton stores bytes
       ),
       grid=(batch, num_kv_heads),
-      compiler_params=compiler_params(num_warps=4, num_stages=2),
-      interpret=jax.default_backend() != "gpu",
+      compiler_params=triton_compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret_mode(),
       name="lte_compact_top_scores",
   )(score_BTK, k_BTKD, v_BTKD)
   return oow_k, oow_v, oow_score, past_len, kept != 0

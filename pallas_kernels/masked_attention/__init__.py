@@ -9,57 +9,24 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from pallas_kernels.dispatch import Implementation, on_gpu, resolve
-from pallas_kernels.masked_attention import pallas, reference
+from pallas_kernels.attention_checks import check_mask, check_positive_int, check_qkv
+from pallas_kernels.dispatch import Implementation, resolve
+from pallas_kernels.masked_attention import cudnn, pallas, reference
 from pallas_kernels.masked_attention.reference import attention_mask
 
-__all__ = ["masked_attention", "attention_mask"]
+__all__ = ["masked_attention", "attention_mask", "gpu_default"]
 
 
 def _check_arguments(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS):
-  for name, array in (("q_BTHD", q_BTHD), ("k_BSKD", k_BSKD), ("v_BSKD", v_BSKD)):
-    if array.ndim != 4:
-      raise ValueError(
-          f"masked_attention: {name} must be 4-D [B, T, H, D], got shape {array.shape}")
-  batch, query_len, num_q_heads, head_dim = q_BTHD.shape
-  _, key_len, num_kv_heads, key_dim = k_BSKD.shape
-  if k_BSKD.shape[0] != batch:
-    raise ValueError(
-        f"masked_attention: k_BSKD batch {k_BSKD.shape[0]} != q_BTHD batch {batch}")
-  if v_BSKD.shape[:3] != k_BSKD.shape[:3]:
-    raise ValueError(
-        f"masked_attention: v_BSKD shape {v_BSKD.shape} must match k_BSKD {k_BSKD.shape} on"
-        " [B, S, Hkv]")
-  if key_dim != head_dim:
-    raise ValueError(f"masked_attention: k_BSKD head dim {key_dim} != q_BTHD head dim {head_dim}")
-  if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-    raise ValueError(
-        f"masked_attention: query heads ({num_q_heads}, q_BTHD) must be a multiple of KV heads"
-        f" ({num_kv_heads}, k_BSKD)")
-  if query_len > key_len:
-    raise ValueError(
-        f"masked_attention: q_BTHD has T={query_len} queries but k_BSKD only S={key_len} keys;"
-        " queries are the last T of the S positions, so T <= S")
-  if window_size is not None and window_size <= 0:
-    raise ValueError(f"masked_attention: window_size must be positive or None, got {window_size}")
+  op = "masked_attention"
+  check_qkv(op, q_BTHD, k_BSKD, v_BSKD, names=("q_BTHD", "k_BSKD", "v_BSKD"))
+  batch, key_len, num_kv_heads = k_BSKD.shape[:3]
+  check_positive_int(op, "window_size", window_size, optional=True)
   if num_sinks < 0:
-    raise ValueError(f"masked_attention: num_sinks must be >= 0, got {num_sinks}")
-  if kept_BSK is not None:
-    if kept_BSK.shape != (batch, key_len, num_kv_heads):
-      raise ValueError(
-          f"masked_attention: kept_BSK must have shape [B, S, Hkv] ="
-          f" {(batch, key_len, num_kv_heads)}, got {kept_BSK.shape}")
-    if kept_BSK.dtype != bool:
-      raise ValueError(f"masked_attention: kept_BSK must be bool, got {kept_BSK.dtype}")
-  if key_valid_BS is not None:
-    if key_valid_BS.shape != (batch, key_len):
-      raise ValueError(
-          f"masked_attention: key_valid_BS must have shape [B, S] = {(batch, key_len)}, got"
-          f" {key_valid_BS.shape}")
-    if key_valid_BS.dtype != bool:
-      raise ValueError(f"masked_attention: key_valid_BS must be bool, got {key_valid_BS.dtype}")
+    raise ValueError(f"{op}: num_sinks must be >= 0, got {num_sinks}")
+  check_mask(op, "kept_BSK", kept_BSK, {"[B, S, Hkv]": (batch, key_len, num_kv_heads)})
+  check_mask(op, "key_valid_BS", key_valid_BS, {"[B, S]": (batch, key_len)})
 
 
 def _under_multi_device_mesh() -> bool:
@@ -68,34 +35,25 @@ def _under_multi_device_mesh() -> bool:
   return not mesh.empty and mesh.size > 1
 
 
-def _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS) -> bool:
-  """Plain attention in bf16/f16 where cuDNN's fused kernel was measured faster than ours.
+def gpu_default(q_BTHD, *, window_size) -> tuple[str, ...]:
+  """What implementation=None tries on a GPU, fastest first (a version that cannot compute the
+  inputs passes them on: cuDNN takes only plain causal/window attention in bf16/f16 at head dim
+  64 or 128 without key padding, Pallas only power-of-two head dims; "xla" takes anything).
 
-  One H100, B8 T4096 Hq32 Hkv8 D64 bf16, paired (docs/benchmarks.md, session 10): plain causal
-  fwd+bwd is ours 1.14x (B2 T16384: 1.35x) cuDNN, so causal goes to cuDNN; SWA-1024 fwd+bwd is
-  ours 0.91-0.93x at 4K-16K, so windows at head dim 64 stay on the Pallas kernels (at head dim
-  128, not measured, cuDNN keeps them). Sinks, kept keys, key padding and T < S are ours anyway.
-  Not under a mesh of several devices: there the gdn_swa-0.4b FSDP step crashed with SIGSEGV in
-  cuDNN's path on 2 x H200 (sessions 9-10; docs/benchmarks.md, "Multi-GPU").
+    plain causal                       -> cudnn  (ours fwd+bwd 1.14x cuDNN at B8 T4096,
+                                                  1.35x at B2 T16384)
+    plain window, head dim 128         -> cudnn  (not measured at 128)
+    plain window, other head dims      -> pallas (SWA-1024 fwd+bwd 0.91-0.93x cuDNN at 4K-16K)
+    sinks, kept keys, key padding, T<S -> pallas (cuDNN has no such masks)
+    any call under a multi-device mesh -> pallas (cuDNN's path crashed the gdn_swa-0.4b FSDP step
+                                                  with SIGSEGV on 2 x H200)
+  Measured on one H100, Hq32 Hkv8 D64 bf16 (docs/benchmarks.md, "Attention kernels").
   """
-  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  head_dim = q_BTHD.shape[-1]
-  plain_window = num_sinks == 0 and kept_BSK is None
-  return (
-      on_gpu()
-      and not _under_multi_device_mesh()
-      and jnp.dtype(q_BTHD.dtype) in half
-      and q_BTHD.dtype == k_BSKD.dtype == v_BSKD.dtype
-      and head_dim in (64, 128) and v_BSKD.shape[-1] == head_dim
-      and q_BTHD.shape[1] == k_BSKD.shape[1]
-      and key_valid_BS is None
-      and (window_size is None or (head_dim == 128 and plain_window)))
-
-
-def _cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, scale, window_size):
-  return jax.nn.dot_product_attention(
-      q_BTHD, k_BSKD, v_BSKD, scale=scale, is_causal=True, implementation="cudnn",
-      local_window_size=None if window_size is None else (window_size - 1, 0))
+  if _under_multi_device_mesh():
+    return ("pallas", "xla")
+  if window_size is None or q_BTHD.shape[-1] == 128:
+    return ("cudnn", "pallas", "xla")
+  return ("pallas", "xla")
 
 
 # Jitted so that eager callers (tests, notebooks) compile once per shape, not once per op; under an
@@ -127,29 +85,20 @@ def masked_attention(
     kept_BSK: bool [B, S, Hkv]; kept keys stay visible outside the window (LTE's selected set),
       still only causally.
     key_valid_BS: bool [B, S]; False keys (left padding) are never visible.
-    implementation: see `pallas_kernels.dispatch.resolve`: "xla" (dense reference) or "pallas"
-      (tiled kernels that visit only the window tiles and the kept keys; the GPU default). With
-      None on GPU, plain causal attention in bf16/f16 goes to cuDNN (measured faster, see
-      `_cudnn_handles`) and inputs the Pallas version cannot handle (`pallas.check_supported`)
-      use "xla".
+    implementation: see `pallas_kernels.dispatch`: "xla" (dense reference), "pallas" (tiled
+      kernels that visit only the window tiles and the kept keys) or "cudnn" (plain causal or
+      window attention only); None: `gpu_default` on a GPU, "xla" elsewhere.
 
   Returns:
     [B, T, Hq, Dv] in q's dtype; a query with no visible key gets zeros. Softmax statistics are
     float32 (float64 for float64 inputs).
   """
   _check_arguments(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS)
-  if implementation is None and on_gpu():
-    # The GPU default is chosen here rather than by `resolve`: cuDNN comes first where it applies.
-    if _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS):
-      return _cudnn_attention(q_BTHD, k_BSKD, v_BSKD, scale=scale, window_size=window_size)
-    try:
-      pallas.check_supported(q_BTHD, k_BSKD, v_BSKD, interpret=False)
-      version = pallas.masked_attention
-    except NotImplementedError:
-      version = reference.masked_attention
-  else:
-    version = resolve("masked_attention", implementation,
-                      {"xla": reference.masked_attention, "pallas": pallas.masked_attention})
+  version = resolve(
+      "masked_attention", implementation,
+      {"xla": reference.masked_attention, "pallas": pallas.masked_attention,
+       "cudnn": cudnn.masked_attention},
+      gpu_default=gpu_default(q_BTHD, window_size=window_size))
   return version(
       q_BTHD, k_BSKD, v_BSKD, scale=scale, window_size=window_size, num_sinks=num_sinks,
       kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)

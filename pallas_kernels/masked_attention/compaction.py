@@ -43,16 +43,6 @@ def listed_keys(*, batch, key_len, num_kv_heads, num_sinks, kept_BSK, key_valid_
   return listed_BKS
 
 
-def build_kept_list(k_BSKD, v_BSKD, listed_BKS, *, capacity) -> KeptList:
-  """Gathers the listed keys (`listed_keys`) into sorted lists of `capacity` entries.
-
-  k_BSKD/v_BSKD may be padded past the real key length S = listed_BKS.shape[-1]; keys at or
-  beyond S are never listed. capacity must be >= S.
-  """
-  positions_BKC = kept_positions(listed_BKS, listed_before(listed_BKS), capacity=capacity)
-  return KeptList(positions_BKC, *gather_kept(k_BSKD, v_BSKD, positions_BKC))
-
-
 def kept_list_and_counts(listed_BKS, *, capacity, block_qs, padded_query_len, query_offset,
                          window_size):
   """(positions `[B, Hkv, capacity]`, one `entries_per_query_tile` count array per query tile

@@ -7,7 +7,7 @@ are outside each query's window. Gradients wrt q, k, v come from a custom VJP (d
 window and kept-list kernels); the kept list's dk/dv reach k/v through the transpose of the
 gather of its K/V (taken inside the backward). A call that is not differentiated (prefill) runs
 the forward without its logsumexp output and reads the kept K/V by position; a differentiated
-one gathers K/V copies for its kernels unless BlockSizes.gather_kept_in_kernel.
+one gathers K/V copies for its kernels (see `Problem.gather_kept_in_kernel`).
 On CPU the kernels run in Pallas interpret mode (for tests).
 """
 
@@ -24,36 +24,24 @@ from pallas_kernels.masked_attention.pallas_backward import (
     backward_dkdv_kept, backward_dkdv_window)
 from pallas_kernels.masked_attention.pallas_forward import backward_dq, forward
 from pallas_kernels.masked_attention.tiling import BlockSizes, Problem
-
-DEFAULT_BLOCK_SIZES = BlockSizes()
-
-
-def _round_up(value: int, multiple: int) -> int:
-  return -(-value // multiple) * multiple
+from pallas_kernels.pallas_common import interpret_mode, is_power_of_two, round_up
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq,
                     counts_dkv):
   # Not differentiated (prefill, evaluation): the forward that writes no logsumexp, reading the
-  # kept list's keys/values from k/v by position (no copies; measured 3-5% faster at B8 T4096 to
-  # B2 T16384 than gathered copies, docs/benchmarks.md, session 6).
+  # kept list's keys/values from k/v by position (no copies).
   problem = dataclasses.replace(problem, gather_kept_in_kernel=True)
   o, _ = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd, with_lse=False)
   return o
 
 
-def _with_copies(problem, kept, k, v):
-  """The kept list with gathered K/V copies, unless the kernels read them by position."""
-  if kept is None or problem.gather_kept_in_kernel:
-    return kept
-  return compaction.KeptList(kept.positions_BKC,
-                             *compaction.gather_kept(k, v, kept.positions_BKC))
-
-
 def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq,
                         counts_dkv):
-  kept = _with_copies(problem, kept, k, v)
+  if kept is not None:  # the K/V copies that forward, dq and the kept dk/dv kernels read
+    kept = compaction.KeptList(kept.positions_BKC,
+                               *compaction.gather_kept(k, v, kept.positions_BKC))
   o, lse = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
   return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, counts_dkv, o, lse)
 
@@ -63,17 +51,14 @@ def _attention_core_bwd(problem, blocks, residuals, do):
   do = do.astype(q.dtype)
   dq, delta = backward_dq(problem, blocks, q, k, v, do, o, lse, key_valid, kept, counts_dq)
   # Without a kept list the window kernel's dk/dv are final: written in k's dtype (no float32
-  # round trip and conversion in XLA, 65 us of a B2 T16384 SWA fwd+bwd, session 9).
+  # round trip and conversion in XLA, 65 us of a B2 T16384 SWA fwd+bwd).
   dk, dv = backward_dkdv_window(problem, blocks, q, k, v, do, lse, delta, key_valid,
                                 out_dtype=jnp.float32 if kept is not None else k.dtype)
   if kept is not None:
-    # The kept dk/dv kernel reads the entries' k/v as a list (gathered here when the forward read
-    # them by position); their gradients go back through the gather's transpose (a scatter-add
-    # that drops padding entries).
+    # The kept dk/dv kernel reads the entries' k/v copies; their gradients go back through the
+    # gather's transpose (a scatter-add that drops padding entries).
     gather = lambda k, v: compaction.gather_kept(k, v, kept.positions_BKC)
     gather_transpose = jax.linear_transpose(gather, k, v)
-    if kept.k_BCKD is None:
-      kept = compaction.KeptList(kept.positions_BKC, *gather(k, v))
     dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept,
                                           counts_dkv)
     dk_add, dv_add = gather_transpose((dk_kept.astype(k.dtype), dv_kept.astype(v.dtype)))
@@ -90,7 +75,7 @@ def check_supported(q_BTHD, k_BSKD, v_BSKD, *, interpret: bool) -> None:
   if v_BSKD.shape[-1] != head_dim:
     raise NotImplementedError(
         f"masked_attention[pallas]: value head dim {v_BSKD.shape[-1]} != key head dim {head_dim}")
-  if head_dim < 16 or head_dim & (head_dim - 1):
+  if head_dim < 16 or not is_power_of_two(head_dim):
     raise NotImplementedError(
         f"masked_attention[pallas]: head dim {head_dim} must be a power of two >= 16 (Triton)")
   if not interpret and jnp.dtype(q_BTHD.dtype) not in (
@@ -112,7 +97,7 @@ def masked_attention(
     num_sinks: int = 0,
     kept_BSK: jax.Array | None = None,
     key_valid_BS: jax.Array | None = None,
-    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+    block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ) -> jax.Array:
   """Same contract as `reference.masked_attention`; differentiable wrt q, k, v.
@@ -120,7 +105,7 @@ def masked_attention(
   interpret: None -> Pallas interpret mode unless the default backend is a GPU.
   """
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+    interpret = interpret_mode()
   check_supported(q_BTHD, k_BSKD, v_BSKD, interpret=interpret)
   batch, query_len, num_q_heads, head_dim = q_BTHD.shape
   key_len, num_kv_heads = k_BSKD.shape[1], k_BSKD.shape[2]
@@ -129,14 +114,13 @@ def masked_attention(
   if window_size is not None and window_size >= key_len and not num_sinks and kept_BSK is None:
     window_size = None  # the window covers every key: plain causal attention
   has_kept_list = window_size is not None and (num_sinks > 0 or kept_BSK is not None)
-  padded_query_len = _round_up(query_len, block_sizes.query_multiple)
-  padded_key_len = _round_up(key_len, block_sizes.key_multiple)
+  padded_query_len = round_up(query_len, block_sizes.query_multiple)
+  padded_key_len = round_up(key_len, block_sizes.key_multiple)
   problem = Problem(
       query_len=query_len, key_len=key_len, padded_query_len=padded_query_len,
       padded_key_len=padded_key_len, head_dim=head_dim, num_q_heads=num_q_heads,
       num_kv_heads=num_kv_heads, window_size=window_size, has_kept_list=has_kept_list,
-      has_key_valid=key_valid_BS is not None, scale=float(scale), interpret=interpret,
-      gather_kept_in_kernel=block_sizes.gather_kept_in_kernel)
+      has_key_valid=key_valid_BS is not None, scale=float(scale), interpret=interpret)
 
   # Padding rows/keys are zeros: padded keys are masked by position, and padded query rows get a
   # zero output gradient, so they add nothing to dk/dv.

@@ -19,10 +19,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.masked_attention.pallas_forward import (
-    LOG2_E, compiler_params, dot_nt, dot_tn, exp2_affine)
 from pallas_kernels.masked_attention.tiling import (
-    BlockSizes, Problem, cdiv, kept_mask, query_tiles_of_key_tile, window_mask)
+    BlockSizes, Problem, kept_mask, query_tiles_of_key_tile, window_mask)
+from pallas_kernels.pallas_common import (
+    LOG2_E, cdiv, dot_nt, dot_tn, exp2_affine, triton_compiler_params)
 
 
 def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head, carry, q_tile,
@@ -135,7 +135,7 @@ def _dkdv_call(problem: Problem, blocks: BlockSizes, kernel, *, tiles: int, in_s
       in_specs=in_specs,
       out_specs=[out_spec, out_spec],
       out_shape=[shape, shape],
-      compiler_params=compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+      compiler_params=triton_compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
       interpret=problem.interpret,
       name=name,
       **kwargs)

@@ -14,9 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-
-def _is_power_of_two(value: int) -> bool:
-  return value > 0 and value & (value - 1) == 0
+from pallas_kernels.pallas_common import cdiv, is_power_of_two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,47 +32,28 @@ class BlockSizes:
   num_stages: int = 3
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
-  # Kept-list dk/dv: query tiles per program (0: one program per list tile, deterministic; n > 0:
-  # one program per chunk of n query tiles, looping over the list tiles it sees, the chunks added
-  # with float32 atomics, so the sums' order varies between runs; None: `kept_split`). A list
-  # tile's program walks every later query tile, so at long T a few long programs leave most of
-  # the GPU idle. LTE fwd+bwd on one H100 (session 7, paired with cuDNN), per list tile / split 8
-  # / split 4: B8 T4096 4.12 / 4.07 / 4.06 ms, B4 T8192 4.75 / 4.27 / 4.25, B2 T16384 5.86 /
-  # 4.37 / 4.38.
-  kept_query_tiles_per_program: int | None = None
-  # Forward only: one program runs the Hq / Hkv query heads that share a KV head (rows = block_q
-  # positions x group heads), so each K/V tile is loaded once per group instead of once per head.
-  # block_q then counts query positions, not rows. Needs a power-of-two group (else unpacked).
-  pack_gqa: bool = False
-  # Under differentiation, forward and dq read the kept-list keys/values straight from k/v by
-  # position (a gather load in the kernel) instead of from [B, S, Hkv, D] copies that XLA gathers
-  # before the call; the backward still gathers them once for the kept dk/dv kernel. A call that
-  # is not differentiated always reads by position (faster there; for training the two measured
-  # within +-2% on one H100, session 6, so the copies stay the default).
-  gather_kept_in_kernel: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pack_gqa", "gather_kept_in_kernel"):
-        if not isinstance(value, bool):
-          raise ValueError(f"BlockSizes.{field.name} must be a bool, got {value!r}")
-        continue
-      if field.name.startswith("block") and (not _is_power_of_two(value) or value < 16):
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r}")
+      if field.name.startswith("block") and (not is_power_of_two(value) or value < 16):
         raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 16, got {value}")
-      if field.name == "kept_query_tiles_per_program":
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 0):
-          raise ValueError(f"BlockSizes.{field.name} must be None or an int >= 0, got {value!r}")
-        continue
-      if not field.name.startswith("block") and not field.name.startswith("kept") and value <= 0:
+      if value <= 0:
         raise ValueError(f"BlockSizes.{field.name} must be positive, got {value}")
 
   def kept_split(self, padded_query_len: int) -> int:
-    """Query tiles per program of the kept-list dk/dv kernel: the field, or when None, 8 from
-    8192 queries on (below, the deterministic 0: the split measured within 1%)."""
-    if self.kept_query_tiles_per_program is not None:
-      return self.kept_query_tiles_per_program
+    """Query tiles per program of the kept-list dk/dv kernel: 8 from 8192 queries on, else 0.
+
+    0: one program per list tile, deterministic; n > 0: one program per chunk of n query tiles,
+    looping over the list tiles it sees, the chunks added with float32 atomics (the sums' order
+    varies between runs). A list tile's program walks every later query tile, so at long T a few
+    long programs leave most of the GPU idle. LTE fwd+bwd on one H100 (2026-11-22, paired with
+    cuDNN), per list tile / split 8 / split 4: B8 T4096 4.12 / 4.07 / 4.06 ms, B4 T8192 4.75 /
+    4.27 / 4.25, B2 T16384 5.86 / 4.37 / 4.38 (below 8192 the split is within 1%, so the
+    deterministic kernel stays).
+    """
     return 8 if padded_query_len >= 8192 else 0
 
   @property
@@ -105,7 +84,11 @@ class Problem:
   has_key_valid: bool
   scale: float
   interpret: bool
-  gather_kept_in_kernel: bool = False  # see BlockSizes
+  # The forward reads the kept-list keys/values from k/v by position (a gather load in the kernel)
+  # instead of from gathered [B, C, Hkv, D] copies: set for calls that are not differentiated
+  # (3-5% faster at B8 T4096 to B2 T16384 on one H100). Under differentiation the copies, which
+  # the kept dk/dv kernel reads anyway, measured within +-2% of it, so training keeps them.
+  gather_kept_in_kernel: bool = False
 
   @property
   def query_offset(self) -> int:
@@ -114,10 +97,6 @@ class Problem:
   @property
   def group(self) -> int:
     return self.num_q_heads // self.num_kv_heads
-
-
-def cdiv(a, b):
-  return (a + b - 1) // b
 
 
 def key_tiles_of_query_tile(problem: Problem, q_start, block_q: int, block_k: int):

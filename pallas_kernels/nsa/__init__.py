@@ -8,47 +8,30 @@ Public entry: `nsa_attention`. The branch helpers (`compress`, `compressed_atten
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 
+from pallas_kernels.attention_checks import check_positive_int, check_qkv
 from pallas_kernels.dispatch import Implementation, resolve
 from pallas_kernels.nsa import reference
 
 __all__ = ["nsa_attention"]
 
+# What implementation=None runs on a GPU: only the reference exists so far.
+GPU_DEFAULT = ("xla",)
+
 
 def _check_arguments(q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size, block_count, window_size):
-  for name, array in (("q_BTHD", q_BTHD), ("k_BTKD", k_BTKD), ("v_BTKD", v_BTKD),
-                      ("gates_BTH3", gates_BTH3)):
-    if array.ndim != 4:
-      raise ValueError(f"nsa_attention: {name} must be 4-D, got shape {array.shape}")
-  batch, query_len, num_q_heads, head_dim = q_BTHD.shape
-  _, key_len, num_kv_heads, key_dim = k_BTKD.shape
-  if k_BTKD.shape[0] != batch:
-    raise ValueError(f"nsa_attention: k_BTKD batch {k_BTKD.shape[0]} != q_BTHD batch {batch}")
-  if v_BTKD.shape[:3] != k_BTKD.shape[:3]:
-    raise ValueError(
-        f"nsa_attention: v_BTKD shape {v_BTKD.shape} must match k_BTKD {k_BTKD.shape} on"
-        " [B, T, Hkv]")
-  if key_dim != head_dim:
-    raise ValueError(f"nsa_attention: k_BTKD head dim {key_dim} != q_BTHD head dim {head_dim}")
-  if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-    raise ValueError(
-        f"nsa_attention: query heads ({num_q_heads}, q_BTHD) must be a multiple of KV heads"
-        f" ({num_kv_heads}, k_BTKD)")
-  if query_len > key_len:
-    raise ValueError(
-        f"nsa_attention: q_BTHD has T_q={query_len} queries but k_BTKD only T_k={key_len} keys;"
-        " queries are the last T_q positions, so T_q <= T_k")
+  op = "nsa_attention"
+  check_qkv(op, q_BTHD, k_BTKD, v_BTKD, names=("q_BTHD", "k_BTKD", "v_BTKD"))
+  batch, query_len, num_q_heads = q_BTHD.shape[:3]
   if gates_BTH3.shape != (batch, query_len, num_q_heads, 3):
     raise ValueError(
-        f"nsa_attention: gates_BTH3 must have shape [B, T_q, Hq, 3] ="
+        f"{op}: gates_BTH3 must have shape [B, T_q, Hq, 3] ="
         f" {(batch, query_len, num_q_heads, 3)}, got {gates_BTH3.shape}")
   for name, value in (("block_size", block_size), ("block_count", block_count),
                       ("window_size", window_size)):
-    if not isinstance(value, numbers.Integral) or value <= 0:
-      raise ValueError(f"nsa_attention: {name} must be a positive int, got {value!r}")
+    check_positive_int(op, name, value)
 
 
 # Jitted so that eager callers (tests, notebooks) compile once per shape, not once per op; under an
@@ -86,7 +69,8 @@ def nsa_attention(
     [B, T_q, Hq, Dv] in q's dtype (branches are combined in float32, float64 for float64 inputs).
   """
   _check_arguments(q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size, block_count, window_size)
-  version = resolve("nsa_attention", implementation, {"xla": reference.nsa_attention})
+  version = resolve("nsa_attention", implementation, {"xla": reference.nsa_attention},
+                    gpu_default=GPU_DEFAULT)
   return version(
       q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size=block_size, block_count=block_count,
       window_size=window_size, scale=scale)

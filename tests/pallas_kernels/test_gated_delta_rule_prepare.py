@@ -95,15 +95,3 @@ def test_prepare_chunks_on_gpu_matches_xla(dtype, key_dim):
   # of it.
   _compare(dtype, seq_len=1000, chunk_size=64, key_dim=key_dim, value_dim=key_dim,
            use_qk_l2norm=True, seed=31)
-
-
-def test_fused_prepare_is_the_default_of_the_public_entry():
-  from pallas_kernels.gated_delta_rule import ChunkConfig, chunk_gated_delta_rule
-  args = _inputs(3, jnp.float32, seq_len=20, key_dim=16, value_dim=16, use_qk_l2norm=True)
-  run = lambda config: chunk_gated_delta_rule(*args, use_qk_l2norm=True, implementation="pallas",
-                                              config=config)[0]
-  assert ChunkConfig().fused_prepare
-  assert_close(run(ChunkConfig(chunk_size=16)),
-               run(ChunkConfig(chunk_size=16, fused_prepare=False)), jnp.float32, name="o")
-  with pytest.raises(ValueError, match="fused_prepare"):
-    ChunkConfig(fused_prepare=1)

@@ -268,33 +268,71 @@ def test_bad_arguments_raise_value_error(case):
     masked_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), **kwargs)
 
 
-def test_gpu_default_routes_causal_to_cudnn_and_windows_to_pallas(monkeypatch):
-  """implementation=None on a GPU: cuDNN where it was measured faster (plain causal, and plain
-  windows at head dim 128), the Pallas kernels otherwise (windows at head dim 64, LTE masks, any
-  call under a multi-device mesh). Checked on any backend by standing in for the GPU and both
-  versions (shapes used nowhere else, so no earlier trace is reused)."""
+ROUTES = {
+    # name: (head dim, masked_attention kwargs beyond q, k, v, versions tried in order)
+    "causal": (64, {}, ["cudnn"]),
+    "causal_with_padding": (64, dict(key_valid_BS=True), ["cudnn", "pallas"]),
+    "window_d64": (64, dict(window_size=7), ["pallas"]),
+    "window_d128": (128, dict(window_size=7), ["cudnn"]),
+    "window_d128_sinks": (128, dict(window_size=7, num_sinks=1), ["cudnn", "pallas"]),
+    "lte_kept": (64, dict(window_size=7, num_sinks=1, kept_BSK=True), ["pallas"]),
+    "window_d24_untiled": (24, dict(window_size=7), ["pallas", "xla"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTES))
+def test_gpu_default_routing(case, monkeypatch):
+  """implementation=None on a GPU follows `gpu_default` (cuDNN for plain causal attention and for
+  plain windows at head dim 128, the Pallas kernels for other windows and LTE masks) and a version
+  that refuses the inputs passes them on. Checked on any backend by standing in for the GPU and
+  recording the versions tried (each still runs its own input check); a fresh shape per case, so
+  no earlier trace of the jitted entry answers."""
   import pallas_kernels.masked_attention as entry  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import dispatch  # pylint: disable=import-outside-toplevel
+  head_dim, kwargs, expected = ROUTES[case]
   calls = []
-  monkeypatch.setattr(entry, "on_gpu", lambda: True)
-  monkeypatch.setattr(entry, "_cudnn_attention",
-                      lambda q, k, v, **kwargs: calls.append("cudnn") or jnp.zeros_like(q))
-  monkeypatch.setattr(entry.pallas, "masked_attention",
-                      lambda q, k, v, **kwargs: calls.append("pallas") or jnp.zeros_like(q))
-  monkeypatch.setattr(entry.pallas, "check_supported", lambda *args, **kwargs: None)
+
+  def recorder(name, check):
+    def version(q, k, v, **kw):
+      calls.append(name)
+      check(q, k, v, **kw)
+      return jnp.zeros_like(q)
+    return version
+
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(entry.cudnn, "masked_attention", recorder("cudnn", lambda q, k, v, **kw: (
+      entry.cudnn.check_supported(q, k, v, **{n: kw[n] for n in (
+          "window_size", "num_sinks", "kept_BSK", "key_valid_BS")}))))
+  monkeypatch.setattr(entry.pallas, "masked_attention", recorder("pallas", lambda q, k, v, **kw: (
+      entry.pallas.check_supported(q, k, v, interpret=False))))
+  monkeypatch.setattr(entry.reference, "masked_attention", recorder("xla", lambda *a, **kw: None))
+  length = 17 + sorted(ROUTES).index(case)
   rng = np.random.default_rng(3)
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-  q, k = normal(1, 23, 4, 64), normal(1, 23, 2, 64)
-  entry.masked_attention(q, k, k)
-  entry.masked_attention(q, k, k, window_size=7)
-  kept = jnp.asarray(rng.random((1, 23, 2)) < 0.3)
-  entry.masked_attention(q, k, k, window_size=7, num_sinks=1, kept_BSK=kept)
-  q128, k128 = normal(1, 23, 4, 128), normal(1, 23, 2, 128)
-  entry.masked_attention(q128, k128, k128, window_size=7)
-  assert calls == ["cudnn", "pallas", "pallas", "cudnn"]
-  # Under a mesh of several devices everything goes to Pallas (cuDNN crashed the FSDP step).
-  # Shapes not traced above, so the jit cache cannot answer for the new mesh context.
-  calls.clear()
+  q, k = normal(1, length, 4, head_dim), normal(1, length, 2, head_dim)
+  if kwargs.get("kept_BSK"):
+    kwargs = dict(kwargs, kept_BSK=jnp.asarray(rng.random((1, length, 2)) < 0.3))
+  if kwargs.get("key_valid_BS"):
+    kwargs = dict(kwargs, key_valid_BS=jnp.arange(length)[None] >= 2)
+  entry.masked_attention(q, k, k, **kwargs)
+  assert calls == expected
+
+
+def test_gpu_default_under_a_multi_device_mesh_is_pallas():
+  """Under a mesh of several devices nothing goes to cuDNN (its path crashed the FSDP step)."""
+  from pallas_kernels.masked_attention import gpu_default  # pylint: disable=import-outside-toplevel
+  q64, q128 = jnp.zeros((1, 8, 4, 64)), jnp.zeros((1, 8, 4, 128))
+  assert gpu_default(q64, window_size=None) == ("cudnn", "pallas", "xla")
+  assert gpu_default(q128, window_size=7) == ("cudnn", "pallas", "xla")
+  assert gpu_default(q64, window_size=7) == ("pallas", "xla")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("fsdp",))):
-    entry.masked_attention(q[:, :21], k[:, :21], k[:, :21])
-    entry.masked_attention(q128[:, :21], k128[:, :21], k128[:, :21], window_size=7)
-  assert calls == ["pallas", "pallas"]
+    assert gpu_default(q64, window_size=None) == ("pallas", "xla")
+    assert gpu_default(q128, window_size=7) == ("pallas", "xla")
+
+
+def test_cudnn_can_be_named_and_refuses_what_it_cannot_compute():
+  q = jnp.zeros((1, 8, 4, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="cudnn.*sinks"):
+    masked_attention(q, q, q, window_size=3, num_sinks=1, implementation="cudnn")
+  with pytest.raises(ValueError, match="unknown"):
+    masked_attention(q, q, q, implementation="triton")

@@ -6,8 +6,6 @@ Also checks the tile-range arithmetic and the kept-list compaction on their own.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +19,15 @@ from pallas_kernels.masked_attention.tiling import (
     BlockSizes, Problem, key_tiles_of_query_tile, query_tiles_of_key_tile)
 from tests.kernel_testing import assert_close
 
-# One query tile per kept-list dk/dv program: the atomics of several programs add up.
 TINY_BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16,
-                         block_k_dkv=16, kept_query_tiles_per_program=1)
+                         block_k_dkv=16)
+
+
+@pytest.fixture
+def kept_split(monkeypatch):
+  """Sets the kept-list dk/dv kernel's query tiles per program (`BlockSizes.kept_split`, 0 below
+  8192 queries), so that tiny inputs also run the split kernel that long sequences use."""
+  return lambda tiles: monkeypatch.setattr(BlockSizes, "kept_split", lambda self, length: tiles)
 
 
 def _inputs(seed, *, batch, query_len, key_len, num_q_heads, num_kv_heads, head_dim, dtype,
@@ -76,56 +80,42 @@ def _interpret_pallas(q, k, v, *, blocks=TINY_BLOCKS, **kwargs):
 
 
 CASES = {
-    # name: (dtype, overrides)
-    "lte_sinks_kept": (jnp.float32, dict(window_size=7, num_sinks=2)),
+    # name: (dtype, overrides); kept_split: query tiles per kept dk/dv program (default 0).
+    # One query tile per program: the atomics of several programs add up.
+    "lte_sinks_kept": (jnp.float32, dict(window_size=7, num_sinks=2, kept_split=1)),
     "lte_wide_window_one_program_per_list_tile": (jnp.float32, dict(
-        query_len=77, key_len=77, window_size=40, kept_fraction=0.4,
-        blocks=dataclasses.replace(TINY_BLOCKS, kept_query_tiles_per_program=0))),
+        query_len=77, key_len=77, window_size=40, kept_fraction=0.4)),
     # Query chunks of 3 tiles over 5 tiles: a short last chunk, and list tiles that a chunk
     # sees only in part.
     "lte_split_three_query_tiles_per_program": (jnp.float32, dict(
         query_len=77, key_len=77, window_size=20, num_sinks=1, kept_fraction=0.4,
-        blocks=dataclasses.replace(TINY_BLOCKS, kept_query_tiles_per_program=3))),
+        kept_split=3)),
     "causal": (jnp.float32, dict(window_size=None, use_kept=False)),
     "prefill_padded_t_lt_s": (jnp.float32, dict(batch=2, query_len=30, key_len=77,
                                                 window_size=20, num_sinks=2, padded=True)),
     "lte_bf16_d32": (jnp.bfloat16, dict(batch=2, query_len=77, key_len=77, head_dim=32,
-                                        window_size=33, num_sinks=2)),
-    # Kept keys read by position inside the forward/dq kernels; the backward scatters their dk/dv.
-    # With GQA packing (2 query heads per KV head in one forward program, whose lse feeds the
-    # backward) in the second case.
-    "prefill_padded_gather_kept_in_kernel": (jnp.float32, dict(
-        batch=2, query_len=30, key_len=77, window_size=20, num_sinks=2, padded=True,
-        blocks=dataclasses.replace(TINY_BLOCKS, gather_kept_in_kernel=True))),
-    "lte_bf16_packed_gather_kept_in_kernel": (jnp.bfloat16, dict(
-        batch=2, query_len=61, key_len=61, num_q_heads=4, num_kv_heads=2, head_dim=32,
-        window_size=21, num_sinks=2, blocks=dataclasses.replace(
-            TINY_BLOCKS, pack_gqa=True, gather_kept_in_kernel=True,
-            kept_query_tiles_per_program=0))),
+                                        window_size=33, num_sinks=2, kept_split=1)),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_interpret_matches_reference(case):
+def test_interpret_matches_reference(case, kept_split):
   dtype, overrides = CASES[case]
   overrides = dict(overrides)
-  blocks = overrides.pop("blocks", TINY_BLOCKS)
-  _check_against_reference(functools.partial(_interpret_pallas, blocks=blocks), dtype=dtype,
-                           **overrides)
+  kept_split(overrides.pop("kept_split", 0))
+  _check_against_reference(_interpret_pallas, dtype=dtype, **overrides)
 
 
-@pytest.mark.parametrize("pack_gqa,gather_kept_in_kernel", [(False, False), (True, True)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_inference_forward_matches_reference(pack_gqa, gather_kept_in_kernel, padded):
-  """Not differentiated: the forward without logsumexp (prefill), with each forward option."""
+def test_inference_forward_matches_reference(padded):
+  """Not differentiated: the forward without logsumexp (prefill) that reads kept keys by
+  position."""
   q, k, v, _, kept, key_valid = _inputs(
       4, batch=2, query_len=30, key_len=45, num_q_heads=4, num_kv_heads=1, head_dim=16,
       dtype=jnp.float32, padded=padded)
   kwargs = dict(window_size=9, kept_BSK=kept, key_valid_BS=key_valid)
-  blocks = dataclasses.replace(TINY_BLOCKS, pack_gqa=pack_gqa,
-                               gather_kept_in_kernel=gather_kept_in_kernel)
-  actual = _interpret_pallas(q, k, v, blocks=blocks, **kwargs)
+  actual = _interpret_pallas(q, k, v, **kwargs)
   assert_close(actual, reference.masked_attention(q, k, v, **kwargs), jnp.float32)
 
 
@@ -183,18 +173,20 @@ def test_kept_list_is_sorted_and_counts_follow_the_window():
   listed_BKS = compaction.listed_keys(
       batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
       kept_BSK=jnp.asarray(kept), key_valid_BS=jnp.asarray(key_valid))
-  listed = compaction.build_kept_list(k, k, listed_BKS, capacity=40)
+  positions_BKC = compaction.kept_positions(listed_BKS, compaction.listed_before(listed_BKS),
+                                           capacity=40)
+  listed_k_BCKD, _ = compaction.gather_kept(k, k, positions_BKC)
   counts = compaction.entries_per_query_tile(compaction.listed_before(listed_BKS), block_q=8,
                                              num_q_tiles=5, query_offset=0, window_size=window)
   for b in range(batch):
     for h in range(num_kv_heads):
       expected = [j for j in range(key_len)
                   if (kept[b, j, h] or j < num_sinks) and key_valid[b, j]]
-      positions = np.asarray(listed.positions_BKC[b, h])
+      positions = np.asarray(positions_BKC[b, h])
       assert list(positions[:len(expected)]) == expected
       assert np.all(positions[len(expected):] == compaction.PAD_POSITION)
-      np.testing.assert_array_equal(listed.k_BCKD[b, :len(expected), h], k[b, expected, h])
-      assert not np.any(listed.k_BCKD[b, len(expected):, h])  # padding entries hold zeros
+      np.testing.assert_array_equal(listed_k_BCKD[b, :len(expected), h], k[b, expected, h])
+      assert not np.any(listed_k_BCKD[b, len(expected):, h])  # padding entries hold zeros
       for t in range(5):
         last_query = 8 * t + 7
         assert counts[b, h, t] == sum(j <= last_query - window for j in expected)
@@ -218,37 +210,30 @@ GPU_CASES = {
 
 
 GPU_CASES.update({
-    "lte_bf16_packed_gather_kept": (jnp.bfloat16, dict(
-        batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
-        window_size=129, num_sinks=4, blocks=BlockSizes(
-            pack_gqa=True, block_q=32, block_k=64, gather_kept_in_kernel=True))),
     # The split kept-list dk/dv (the default from 8K queries): 16 query tiles in chunks of 3.
     "lte_bf16_kept_split": (jnp.bfloat16, dict(
         batch=2, query_len=1000, key_len=1000, num_q_heads=8, num_kv_heads=2, head_dim=64,
-        window_size=129, num_sinks=4, blocks=BlockSizes(kept_query_tiles_per_program=3))),
-    "prefill_padded_bf16_packed": (jnp.bfloat16, dict(
-        batch=2, query_len=500, key_len=500, num_q_heads=8, num_kv_heads=2, head_dim=64,
-        window_size=65, padded=True, blocks=BlockSizes(pack_gqa=True, block_q=16, block_k=64))),
+        window_size=129, num_sinks=4, kept_split=3)),
 })
 # Forward-block candidates of tools/bench_attention.py --sweep, checked without gradients.
 GPU_FORWARD_BLOCKS = (
-    BlockSizes(gather_kept_in_kernel=True),
-    BlockSizes(pack_gqa=True, block_q=16, block_k=128),
-    BlockSizes(pack_gqa=True, block_q=32, block_k=64, num_warps=8),
-    BlockSizes(pack_gqa=True, block_q=64, block_k=32, num_warps=8, gather_kept_in_kernel=True),
+    BlockSizes(block_k=128),
+    BlockSizes(block_q=128, block_k=64, num_warps=8),
+    BlockSizes(block_k=32, num_stages=4),
 )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
-def test_gpu_matches_reference(case):
+def test_gpu_matches_reference(case, kept_split):
   dtype, overrides = GPU_CASES[case]
   overrides = dict(overrides)
-  blocks = overrides.pop("blocks", None)
-  if blocks is None:
-    fn = lambda q, k, v, **kw: masked_attention(q, k, v, implementation="pallas", **kw)
+  if "kept_split" in overrides:
+    # The unjitted version: the jitted entry's cache would answer for the same shapes above.
+    kept_split(overrides.pop("kept_split"))
+    fn = attention_pallas.masked_attention
   else:
-    fn = functools.partial(attention_pallas.masked_attention, block_sizes=blocks)
+    fn = lambda q, k, v, **kw: masked_attention(q, k, v, implementation="pallas", **kw)
   _check_against_reference(fn, dtype=dtype, **overrides)
 
 
@@ -275,13 +260,9 @@ def test_gpu_default_implementation_matches_reference(window_size, num_sinks):
                            num_sinks=num_sinks, use_kept=False)
 
 
-def test_kept_split_defaults_to_atomics_only_at_long_queries():
+def test_kept_split_uses_atomics_only_at_long_queries():
   assert BlockSizes().kept_split(4096) == 0
   assert BlockSizes().kept_split(8192) == 8
-  assert BlockSizes(kept_query_tiles_per_program=0).kept_split(65536) == 0
-  assert BlockSizes(kept_query_tiles_per_program=3).kept_split(64) == 3
-  for bad in (-1, 1.5, True):
-    with pytest.raises(ValueError, match="kept_query_tiles_per_program"):
-      BlockSizes(kept_query_tiles_per_program=bad)
-  with pytest.raises(ValueError, match="block_q"):
-    BlockSizes(block_q=48)
+  for bad in (dict(block_q=48), dict(num_warps=0), dict(num_stages=1.5)):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      BlockSizes(**bad)

@@ -256,7 +256,7 @@ def test_pallas_not_implemented():
 BAD_ARGUMENTS = {
     "heads": (dict(num_q_heads=3), {}, "heads"),
     "gates_shape": (dict(), dict(gates_last=2), "gates_BTH3"),
-    "T_q_gt_T_k": (dict(), dict(longer_q=True), "T_q"),
+    "T_q_gt_T_k": (dict(), dict(longer_q=True), "T=16"),
     "block_size": (dict(), dict(block_size=0), "block_size"),
     "block_count": (dict(), dict(block_count=-1), "block_count"),
     "window_size": (dict(), dict(window_size=0), "window_size"),

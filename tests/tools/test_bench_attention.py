@@ -31,6 +31,6 @@ def test_ratios_use_the_paired_anchor_time_when_there_is_one(tmp_path):
 def test_only_selects_by_substring_or_exact_name():
   bench = _load_module()
   names = list(bench.jax_variants())
-  lte = "ours LTE train (769 + 4 sinks + 256 kept)"
-  assert [n for n in names if bench.selected(n, ["=" + lte])] == [lte]
-  assert len([n for n in names if bench.selected(n, ["LTE train ("])]) > 1
+  prefill = "ours LTE prefill (769 + 256 kept)"
+  assert [n for n in names if bench.selected(n, ["=" + prefill])] == [prefill]
+  assert len([n for n in names if bench.selected(n, ["LTE prefill"])]) > 1
