@@ -161,8 +161,6 @@ case "$stage" in
     # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on
     # one GPU and with the batch and parameters split over all of them (same per-GPU batch).
     step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
-    # cuDNN's SWA attention alone under shard_map (session 9: the gdn_swa FSDP step crashed).
-    step 200 python3 tools/repro_cudnn_multigpu.py
     step 150 env CUDA_VISIBLE_DEVICES=0 python3 tools/bench_train.py --presets lalte-0.4b \
       gdn_swa-0.4b --batch 4 --steps 3 \
       --warmup 1 --json "$out/train_1gpu.json"

@@ -105,16 +105,6 @@ def _mark_sinks_and_padding(score_BTK: jax.Array, real_BT: jax.Array, num_sinks:
   return jnp.where(real_BT[:, :, None], score_BTK, -jnp.inf)
 
 
-def _select_out_of_window(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Array,
-                          num_candidates: int, cap: int):
-  """§5.2 step 5: the top-min(b, n) of the first n tokens by score, kept if score > 0.
-
-  Returns the OOW segment (k, v [B, b, K, D], score [B, b, K] in chronological order, invalid
-  entries zero / -inf), past_len [B, K] and kept_BTK (bool [B, T, K], the kept prompt tokens).
-  """
-  return compact_top_scores(k_BTKD, v_BTKD, score_BTK, num_candidates=num_candidates, cap=cap)
-
-
 def lte_prefill(layer: LTEAttention, x_BTD: jax.Array, pad_mask_BT: jax.Array | None,
                 cache: LTECache) -> tuple[jax.Array, LTECache]:
   """Runs the LTE layer over a (left-padded) prompt and fills the cache (§5.2).
@@ -157,8 +147,9 @@ def lte_prefill(layer: LTEAttention, x_BTD: jax.Array, pad_mask_BT: jax.Array | 
 
   num_candidates = length - in_ring
   if num_candidates > 0:
-    oow_k, oow_v, oow_score, past_len_BK, kept_BTK = _select_out_of_window(
-        k_BTKD, v_BTKD, score_BTK, num_candidates, cap)
+    # §5.2 step 5: the top-min(b, n) of the first n tokens by score, kept if score > 0.
+    oow_k, oow_v, oow_score, past_len_BK, kept_BTK = compact_top_scores(
+        k_BTKD, v_BTKD, score_BTK, num_candidates=num_candidates, cap=cap)
   else:  # the whole prompt fits the window: nothing is out of it yet
     oow_k = jnp.zeros((batch, cap) + k_BTKD.shape[2:], cache_dtype)
     oow_v = jnp.zeros((batch, cap) + v_BTKD.shape[2:], cache_dtype)
@@ -268,16 +259,6 @@ def _ring_valid_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
   return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= cache.blank[:, None])
 
 
-def cache_valid_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
-  """bool [B, W + b, Hkv]: the slots a decode query attends to (§5.3 step 4).
-
-  Ring slots except the blanks [ptr, ptr + blank) (mod W), plus OOW slots [W, W + past_len).
-  """
-  slot_S = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
-  below_length_BSK = slot_S[None, :, None] < (lte.window_keys + cache.past_len)[:, None, :]
-  return _ring_valid_slots(cache, lte)[:, :, None] & below_length_BSK
-
-
 def lte_decode_step(layer: LTEAttention, x_B1D: jax.Array, cache: LTECache
                     ) -> tuple[jax.Array, LTECache]:
   """One decode step of the LTE layer at position t = cache.position (§5.3).
@@ -307,7 +288,7 @@ def lte_decode_step(layer: LTEAttention, x_B1D: jax.Array, cache: LTECache
 
   # The new token is in the ring now, so the window is keys t-w..t; everything cached is in the
   # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below
-  # W + past_len (the `cache_valid_slots` set, split so the kernel skips unfilled OOW slots).
+  # W + past_len (split so the kernel skips unfilled OOW slots).
   o_BHD = decode_attention(
       q_B1HD[:, 0], cache.k, cache.v, scale=lte.head_dim ** -0.5,
       length_BK=lte.window_keys + cache.past_len, key_valid=_ring_valid_slots(cache, lte),
