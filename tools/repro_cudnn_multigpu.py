@@ -3,7 +3,7 @@
     python tools/repro_cudnn_multigpu.py            # every variant, one child process each
     python tools/repro_cudnn_multigpu.py --variant cudnn
 
-Session 9's gdn_swa-0.4b FSDP step (2 x H200) died with SIGSEGV while lalte-0.4b ran; the SWA
+On 2026-11-23 the gdn_swa-0.4b FSDP step (2 x H200) died with SIGSEGV while lalte-0.4b ran; the SWA
 layers of the first went to cuDNN, the LTE layers of the second to our Pallas kernels. This
 isolates that call: a jitted forward + backward of SWA-1024 attention at 2 rows of T4096 Hq32 Hkv8
 D64 bf16 per GPU, inside `jax.shard_map` over all GPUs (as `lalte_jax.sharding.per_shard` runs

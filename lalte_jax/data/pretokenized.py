@@ -9,7 +9,7 @@ Storage format (written by `tools/prepare_data.py`, read by `PretokenizedSource`
   `num_tokens`, `num_dropped_tokens`, `shards` ([{"path": file name, "num_sequences": n}]) and the
   input files.
 
-Packing follows REFERENCE_SPEC §8.2: each document is tokenized on its own, BOS prepended, no EOS;
+Packing follows §8.2: each document is tokenized on its own, BOS prepended, no EOS;
 the documents are concatenated into one stream in input order, cut into consecutive `seq_len`
 sequences, and the incomplete tail is dropped. No document masking: sequences cross documents.
 """

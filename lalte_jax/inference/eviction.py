@@ -1,5 +1,5 @@
-"""Training-free eviction for the full-attention layers of a trained GDN+Attn model (REFERENCE_SPEC
-§7.1-7.2): TOVA and uniform stride + recent window, each at a fixed total cache per layer.
+"""Training-free eviction for the full-attention layers of a trained GDN+Attn model
+(§7.1-7.2): TOVA and uniform stride + recent window, each at a fixed total cache per layer.
 
 Choices for the spec's open points (documented here and in the report):
 - Prompt (both policies): the prompt is processed by exact full attention; the cache is reduced

@@ -1,13 +1,13 @@
 """`implementation="pallas"` of `chunk_gated_delta_rule`: the chunked WY form around Pallas kernels.
 
-Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
+Split (§2 notation, per batch row and head, chunks of C tokens):
   (a) per chunk, in parallel (xla_prepare.py: XLA batched matmuls around the Pallas chunk
       inverse, pallas_inverse.py): l2norm, cumulative log-decay, A, T = (I + A)^-1,
       w = T diag(beta exp(G)) k, u = T diag(beta) v, kd = diag(exp(G_C - G)) k, a = exp(G_C); and
       the output's inputs qg = q exp(G), p = q k^T ⊙ M (M[i,j] = exp(G_i - G_j), j <= i).
       By default (a) runs as Pallas kernels per chunk instead, forward and backward
       (pallas_prepare.py, `fused_prepare=True`: no head-major copies, A and X the only [C, C]
-      tensors in memory). Measured (a) alone on one H100 (session 8), forward + backward, XLA /
+      tensors in memory). Measured (a) alone on one H100 (2026-11-23), forward + backward, XLA /
       kernels ms: B4 T4096 H64 K=V=128 8.85 / 6.15, B8 T4096 H8 K=V=256 3.72 / 3.59, K=V=128
       2.48 / 1.78, B1 T16384 H8 1.79 / 1.08 (forward alone 3.46 / 2.15 at B4 H64);
   (b) the sequential pass over chunks with the outputs fused in (Pallas, pallas_state_pass.py):

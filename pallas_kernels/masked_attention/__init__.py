@@ -71,12 +71,12 @@ def _under_multi_device_mesh() -> bool:
 def _cudnn_handles(q_BTHD, k_BSKD, v_BSKD, window_size, num_sinks, kept_BSK, key_valid_BS) -> bool:
   """Plain attention in bf16/f16 where cuDNN's fused kernel was measured faster than ours.
 
-  One H100, B8 T4096 Hq32 Hkv8 D64 bf16, paired (docs/benchmarks.md, session 10): plain causal
+  One H100, B8 T4096 Hq32 Hkv8 D64 bf16, paired (2026-11-23, docs/benchmarks.md): plain causal
   fwd+bwd is ours 1.14x (B2 T16384: 1.35x) cuDNN, so causal goes to cuDNN; SWA-1024 fwd+bwd is
   ours 0.91-0.93x at 4K-16K, so windows at head dim 64 stay on the Pallas kernels (at head dim
   128, not measured, cuDNN keeps them). Sinks, kept keys, key padding and T < S are ours anyway.
   Not under a mesh of several devices: there the gdn_swa-0.4b FSDP step crashed with SIGSEGV in
-  cuDNN's path on 2 x H200 (sessions 9-10; docs/benchmarks.md, "Multi-GPU").
+  cuDNN's path on 2 x H200 (2026-11-23; docs/benchmarks.md, "Multi-GPU").
   """
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   head_dim = q_BTHD.shape[-1]

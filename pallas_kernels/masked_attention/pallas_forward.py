@@ -41,7 +41,7 @@ def exp2(x, interpret: bool):
   """2**x of float32 values as one PTX `ex2.approx.ftz.f32` (a single MUFU.EX2) on the GPU.
 
   jnp.exp2 lowers, in Pallas-Triton, to libdevice's `__nv_exp2f`, several instructions per
-  element (session 10, ncu: replacing it made the SWA-1024 forward ~6% faster). Relative error
+  element (ncu, 2026-11-23: replacing it made the SWA-1024 forward ~6% faster). Relative error
   ~2**-22; results under 2**-126 flush to 0, which a softmax cannot tell apart from 0;
   exp2(-inf) = 0. Interpret mode keeps jnp.exp2.
   """
@@ -56,7 +56,7 @@ def exp2_affine(x_RC, scale: float, offset_R, interpret: bool):
 
   On the GPU one fused multiply-add and one MUFU.EX2 per element, in PTX. Written as
   `x * scale + offset` in jnp, Pallas-Triton emits a separate multiply and add that are not
-  contracted (session 10, ncu: FMUL and FADD 2.2 each per score, no FFMA).
+  contracted (ncu, 2026-11-23: FMUL and FADD 2.2 each per score, no FFMA).
   """
   if interpret or x_RC.dtype != jnp.float32:
     return jnp.exp2(x_RC * scale + offset_R[:, None])
@@ -167,7 +167,7 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, group_r
       qk = jnp.where(mask, qk, -jnp.inf)
     # The scale is applied to the row maxima and inside exp2's argument (scale > 0, so
     # max(qk) * scale = max(qk * scale)), where exp2_affine makes qk * scale - shift one fused
-    # multiply-add per score: written in jnp it stayed a multiply and a subtract (session 10).
+    # multiply-add per score: written in jnp it stayed a multiply and a subtract (ncu, 2026-11-23).
     new_max = jnp.maximum(row_max, jnp.max(qk, axis=1) * score_scale)
     # A row that has seen no visible key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
     shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if mask is not None else new_max
@@ -201,7 +201,7 @@ def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   lse = lse_ref[...]
   # delta_i = sum_d o_id do_id = sum_j p_ij dp_ij, the softmax gradient's row term, computed where
   # do is loaded anyway and written for the dk/dv kernels (a separate XLA reduction read o and do
-  # once more: 95 us of a 4 ms SWA fwd+bwd at B2 T16384, session 9).
+  # once more: 95 us of a 4 ms SWA fwd+bwd at B2 T16384, 2026-11-23).
   delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
   delta_ref[...] = delta
   score_scale = problem.scale * LOG2_E

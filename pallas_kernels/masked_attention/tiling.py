@@ -38,7 +38,7 @@ class BlockSizes:
   # one program per chunk of n query tiles, looping over the list tiles it sees, the chunks added
   # with float32 atomics, so the sums' order varies between runs; None: `kept_split`). A list
   # tile's program walks every later query tile, so at long T a few long programs leave most of
-  # the GPU idle. LTE fwd+bwd on one H100 (session 7, paired with cuDNN), per list tile / split 8
+  # the GPU idle. LTE fwd+bwd on one H100 (2026-11-22, paired with cuDNN), per list tile / split 8
   # / split 4: B8 T4096 4.12 / 4.07 / 4.06 ms, B4 T8192 4.75 / 4.27 / 4.25, B2 T16384 5.86 /
   # 4.37 / 4.38.
   kept_query_tiles_per_program: int | None = None
@@ -50,7 +50,7 @@ class BlockSizes:
   # position (a gather load in the kernel) instead of from [B, S, Hkv, D] copies that XLA gathers
   # before the call; the backward still gathers them once for the kept dk/dv kernel. A call that
   # is not differentiated always reads by position (faster there; for training the two measured
-  # within +-2% on one H100, session 6, so the copies stay the default).
+  # within +-2% on one H100, 2026-11-22, so the copies stay the default).
   gather_kept_in_kernel: bool = False
 
   def __post_init__(self):
