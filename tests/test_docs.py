@@ -18,8 +18,8 @@ NOT_PRODUCT = {".git", ".venv", ".cache", ".pytest_cache", "build", "runs", "__p
 # Words about how the work was organised rather than about the product. Each pattern is built
 # from pieces so that this file does not match itself.
 FORBIDDEN = [re.compile(pattern, re.IGNORECASE) for pattern in (
-    "sess" + r"ion ?[0-9]",
-    "iss" + r"ue ?[0-9]",
+    "sess" + r"ions? ?[0-9]",
+    "iss" + r"ues? ?[0-9]",
     "device" + " call",
     r"\.\." + "/shared",
     r"\$" + "OUT",

@@ -54,7 +54,7 @@ from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
 from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
 from pallas_kernels.gated_delta_rule.pallas_state_pass import chunk_scan, default_state_config
 
-# (B, T, H, K=V): the benchmark shapes.
+# (B, T, H, K=V): the benchmark shapes (docs/benchmarks.md, "GDN kernel against FLA").
 SHAPES = ((8, 4096, 8, 256), (8, 4096, 8, 128), (1, 16384, 8, 128), (4, 4096, 64, 128))
 BF16_TOLERANCE = 2e-2
 # (block_v, num_warps, num_stages) tried by --sweep, forward and backward kernels alike.
