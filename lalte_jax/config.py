@@ -2,7 +2,7 @@
 
 Every config checks itself at construction and raises `ValueError` naming the offending field, so a
 bad configuration fails before any parameter is allocated. Presets live in `presets.py`;
-`get_model_config` is re-exported here because it is the public entry (DESIGN.md).
+`get_model_config` is re-exported here because it is the public entry.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _positive(owner: str, **values: int | float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GDNConfig:
-  """Gated DeltaNet mixer (REFERENCE_SPEC §2)."""
+  """Gated DeltaNet mixer (§2)."""
   num_heads: int
   head_dim: int  # d_k
   expand_v: int = 1  # d_v = expand_v * d_k

@@ -1,4 +1,4 @@
-"""The paper's model variants at its two sizes (REFERENCE_SPEC §1.5) and tiny sizes for CPU work.
+"""The paper's model variants at its two sizes (§1.5) and tiny sizes for CPU work.
 
 Names are `"<variant>-<size>"`. Tiny presets keep every structural feature of the real ones (GQA
 groups, sinks, the LTE router with its 6-token margin, NSA's three branches, the 1:1 hybrid

@@ -4,7 +4,7 @@
 its input sets per round), so both see the same GPU clocks and the ratio of their medians is
 what a benchmark reports. Timed apart, the same kernel read up to ~15% differently within one run
 on an H100, and the first function timed in a fresh process ran slowest while the clocks ramped
-up (sessions 6-7, docs/benchmarks.md). `sync` blocks until a pass's work is done: jax's
+up (H100, 2026-11-22, docs/benchmarks.md). `sync` blocks until a pass's work is done: jax's
 block_until_ready for JAX, a torch.cuda.synchronize wrapper for PyTorch.
 """
 

@@ -1,5 +1,5 @@
 """Attention kernels on the GPU: parity spot checks, timings against cuDNN and FLA, and a tiny laLTE
-training step through the Pallas kernels vs the XLA reference (issue 5).
+training step through the Pallas kernels vs the XLA reference.
 
     python tools/bench_attention.py            # B8 T4096, B4 T8192, B2 T16384 (Hq32 Hkv8 D64 bf16)
     python tools/bench_attention.py --quick    # B8 T4096 only
@@ -42,7 +42,7 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
 SWEEP_FORWARD = (
     BlockSizes(),
     # 64 x 128 tiles on one warpgroup: the tile of cuDNN's SWA forward kernel on an H100 (its
-    # name in a profile, session 9: ..._flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1).
+    # name in a profile, 2026-11-23: ..._flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1).
     BlockSizes(block_k=128),
     BlockSizes(block_k=128, num_stages=2),
     BlockSizes(block_k=128, num_stages=4),
@@ -198,7 +198,7 @@ def bench_jax(batch, length, args, results):
         variants[name] = (jax_variants(blocks)[base][0], "cuDNN SWA-1024")
         modes[name] = modes.get(name, ()) + (tag,)
   # Sustained load first: without it the first variant timed (the anchor) measured up to ~10%
-  # slow on one H100 while the clocks ramped up (session 6), which flattered every ratio.
+  # slow on one H100 while the clocks ramped up (2026-11-22), which flattered every ratio.
   anchor_fns = {}
   for anchor_name in {anchor for _, anchor in variants.values()}:
     anchor_attn = jax_variants()[anchor_name][0]

@@ -1,4 +1,4 @@
-"""Decode latency and cache memory vs context length (paper §4.3 / REFERENCE_SPEC §9.5 protocol).
+"""Decode latency and cache memory vs context length (paper §4.3, the protocol of §9.5).
 
     python tools/bench_decode.py                      # 1.4b laLTE, GDN+SWA, GDN+Attn; B=32; 1K..64K
     python tools/bench_decode.py --presets lalte-tiny gdn_attn-tiny --contexts 64 128 --batch 2

@@ -86,10 +86,10 @@ def looped_timed(inputs, implementation, block_sizes, rounds: int) -> Timed:
   """One jitted call that runs `rounds` rounds over every input set's cache in a lax.fori_loop.
 
   `attention_timed`'s pass pays one dispatch of a jitted call per len(qs) decode calls: ~330 us
-  of host time per pass with 8 caches (session 10 trace: ~165 us before the CUDA graph launch,
+  of host time per pass with 8 caches (2026-11-23 host trace: ~165 us before the CUDA graph launch,
   ~150 us from the GPU's end to block_until_ready), while the GPU ran the 8 decode kernels back
   to back in one graph. Here that cost is spread over rounds x len(qs) calls, as in a decode loop
-  (METHOD.md: time many small launches as replays). Each call's query is chained to the last
+  (many small launches are timed as replays). Each call's query is chained to the last
   output (q + 0 * o; XLA keeps x * 0 for floats), so XLA can neither hoist nor merge the calls;
   that adds one tiny elementwise kernel per call.
   """
@@ -221,9 +221,9 @@ def main(argv=None) -> int:
   results = {"device": device, "copy_GBps": copy_gbs, "attention": [], "cache_step": [],
              "compaction": []}
   # Three times per row: wall time per call (one jitted call per pass over the sets, paired with
-  # the copy), GPU kernel time (profiler traces), and wall time per call of `looped_timed`. In
-  # session 10 the decode kernels of a B32 1.4b pass ran back to back in one CUDA graph, 34 us
-  # each, and the rest of the ~73 us per call was the pass's dispatch (host trace, call 1).
+  # the copy), GPU kernel time (profiler traces), and wall time per call of `looped_timed`. On
+  # 2026-11-23 the decode kernels of a B32 1.4b pass ran back to back in one CUDA graph, 34 us
+  # each, and the rest of the ~73 us per call was the pass's dispatch (host trace, H100).
   on_gpu = jax.default_backend() == "gpu"
   copy_gpu_gbs = copy_bytes / device_seconds(copy, 1) / 1e9 if on_gpu else float("nan")
   results["copy_GBps_gpu_time"] = copy_gpu_gbs
@@ -240,15 +240,15 @@ def main(argv=None) -> int:
     error = check_parity(inputs, lte_shapes(preset)[3])
     xla_s = time_attention(attention_timed(inputs, "xla", None), args.sets, args.repeats)
     # The last row drops the ring-blank mask (a diagnostic, not a decode step: its per-call bool
-    # -> int8 conversion and mask loads are what it leaves out). Session 9: no difference in GPU
-    # time.
+    # -> int8 conversion and mask loads are what it leaves out). Measured 2026-11-23: no difference
+    # in GPU time.
     for block_sizes, mask in [(c, True) for c in configs] + [(None, False)]:
       label = "default" if block_sizes is None else (
           f"n{block_sizes.block_slots} s{block_sizes.num_splits} st{block_sizes.num_stages}"
           f" w{block_sizes.num_warps} kvh{block_sizes.kv_heads_per_program}")
       label += "" if mask else ", no key_valid"
       try:
-        # In alternation with the copy: in session 6 the first config timed (the default) read
+        # In alternation with the copy: on 2026-11-22 the first config timed (the default) read
         # 0.58 of a copy timed apart and the same config timed later 0.68, the clocks ramping up.
         case_inputs = inputs if mask else inputs[:4] + (None,)
         timed = attention_timed(case_inputs, "pallas", block_sizes)

@@ -4,7 +4,7 @@
     python tools/bench_train.py --presets lalte-1.4b --batch 2 --remat block   # does it fit?
     python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
 
-The step is the one `python -m lalte_jax.train` runs: `train.trainer.Trainer` builds it (AdamW, float32
+The step is the one `python -m lalte_jax.train` runs: `lalte_jax.train.trainer.Trainer` builds it (AdamW, float32
 master weights, `--dtype` compute, `--remat`, gradient accumulation over `--grad_accum`
 micro-batches, FSDP over `--mesh_fsdp` devices), here fed a fixed batch of random tokens (no
 dataset). `--batch` is the per-device micro-batch: one step processes

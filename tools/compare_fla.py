@@ -54,7 +54,7 @@ from pallas_kernels.gated_delta_rule.pallas_inverse import inverse_forward
 from pallas_kernels.gated_delta_rule.pallas_prepare import PrepareConfig, prepare_chunks
 from pallas_kernels.gated_delta_rule.pallas_state_pass import chunk_scan, default_state_config
 
-# (B, T, H, K=V): the benchmark shapes.
+# (B, T, H, K=V): the benchmark shapes (docs/benchmarks.md, "GDN kernel against FLA").
 SHAPES = ((8, 4096, 8, 256), (8, 4096, 8, 128), (1, 16384, 8, 128), (4, 4096, 64, 128))
 BF16_TOLERANCE = 2e-2
 # (block_v, num_warps, num_stages) tried by --sweep, forward and backward kernels alike.
@@ -185,7 +185,7 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
   record = {"shape": name}
   o_ours = forward(*jax_sets[0])
   # Sustained load first: the first timing of a fresh process read up to ~25% slow on an H100
-  # while the clocks ramped up (session 7: 4.40 against 3.5-3.6 ms in other runs).
+  # while the clocks ramped up (2026-11-22: 4.40 against 3.5-3.6 ms in other runs).
   run_for_seconds(Timed(forward_backward, jax_sets_bwd), seconds=3.0)
   record["ours_fwd_ms"] = median_ms(forward, jax_sets, warmup=warmup, repeats=repeats,
                                     sync=sync_jax)
@@ -249,7 +249,7 @@ def bench_shape(shape, args, results, torch, fla_chunk):  # pylint: disable=too-
   record["fwd_parity_ok"] = record["fwd_rel_diff_vs_fla"] <= BF16_TOLERANCE
   # Ours and FLA in alternation (pallas_kernels.benchmarking.paired_ms): the ratios are of
   # medians taken under the same clocks. FLA's forward alone varied 1.63-2.04 ms at B8 T4096 H8
-  # K=V=256 between runs on one H100 (session 7).
+  # K=V=256 between runs on one H100 (2026-11-22).
   for mode, ours_fn, fla_fn, ours_sets in (
       ("fwd", forward, fla_forward, jax_sets),
       ("fwdbwd", forward_backward, fla_forward_backward, jax_sets_bwd)):

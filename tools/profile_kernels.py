@@ -1,4 +1,4 @@
-"""Where the GPU time of the issue-5 kernels goes: per-kernel device time from the JAX profiler.
+"""Per-kernel GPU time of the attention and decode kernels, from the JAX profiler.
 
     python tools/profile_kernels.py                       # decode cases, then attention at 4K/16K
     python tools/profile_kernels.py --cases decode --json out.json
@@ -37,7 +37,7 @@ DECODE_CONFIGS = {
     "default, no key_valid": (None, False),
     "1 split, 128 slots, 2 stages": (DecodeBlockSizes(block_slots=128, num_splits=1,
                                                       num_stages=2), True),
-    "2 splits, 64 slots (the default before session 9)": (
+    "2 splits, 64 slots (the default before 4aeec18)": (
         DecodeBlockSizes(block_slots=64, num_splits=2), True),
     "4 splits, 64 slots": (DecodeBlockSizes(block_slots=64, num_splits=4), True),
 }

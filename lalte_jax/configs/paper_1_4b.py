@@ -1,4 +1,4 @@
-"""The paper's 1.4B recipe (REFERENCE_SPEC §8.1-8.2) for any variant: `--set variant=<name>`.
+"""The paper's 1.4B recipe (§8.1-8.2) for any variant: `--set variant=<name>`.
 
 30,720 steps of 256 x 4096 = 1,048,576 tokens (~32.2B), warmup 512, peak lr 3e-4 -> 3e-5 cosine,
 AdamW (0.9, 0.95, eps 1e-15, wd 0.1), clip 1.0, bf16 compute with float32 master weights, seed 42.

@@ -5,7 +5,7 @@ synthetic MQAR generated on the fly (4 key-value pairs in 64 tokens, values draw
 chance is under 1%), then prints its held-out recall accuracy and where it saved the checkpoint
 (runs/readme_demo/checkpoints/<step>) and the exported parameters (runs/readme_demo/export).
 Measured (jax 0.10.2 CPU): held-out recall 0.895 after 400 steps (the loss drops between steps
-150 and 200), 3.4 min on an idle 2-core machine. tests/train/test_cli.py runs it and requires
+150 and 200), 3.4 min on an idle 2-core machine. tests/lalte_jax/train/test_cli.py runs it and requires
 recall >= 0.5.
 Running it again resumes from the checkpoint (and, being finished, only evaluates and exports).
 """

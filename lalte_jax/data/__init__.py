@@ -2,7 +2,7 @@
 
 - `synthetic`: `MQARSource` (zoology MQAR, long-gap with `min_gap`), `PasskeySource` (S-NIAH-1
   over token ids), `score_recall`; shared by the trainer and the evaluation tasks.
-- `pretokenized`: `PretokenizedSource` over the ArrayRecord shards `tools/prepare_data.py` writes.
+- `pretokenized`: `PretokenizedSource` over the ArrayRecord shards `lalte-prepare-data` (`lalte_jax/data/prepare.py`) writes.
 - `tokenizer`: `load_tokenizer(path)` for HF tokenizers JSON, SentencePiece or bytes.
 - `pipeline`: `make_dataset(...)`, deterministic, checkpointable batches sharded by process.
 

@@ -5,7 +5,7 @@
 
 Inputs: .txt (one document per file, or per non-empty line with --txt-document line), .jsonl (one
 JSON object per line, text in --text-field), .parquet (column --text-field); a directory is
-searched recursively for those suffixes, in sorted order. Documents are packed as REFERENCE_SPEC
+searched recursively for those suffixes, in sorted order. Documents are packed as
 §8.2 says (BOS per document, no EOS, concatenated, cut into --seq-len sequences, tail dropped); the
 format is described in lalte_jax/data/pretokenized.py. Read the result with
 `lalte_jax.data.PretokenizedSource(output_dir)`.

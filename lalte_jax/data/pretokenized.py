@@ -1,6 +1,6 @@
 """Pre-tokenized corpora: documents packed into fixed-length sequences in ArrayRecord shards.
 
-Storage format (written by `tools/prepare_data.py`, read by `PretokenizedSource`): a directory with
+Storage format (written by `lalte-prepare-data` (`lalte_jax/data/prepare.py`), read by `PretokenizedSource`): a directory with
 - shards `<prefix>-NNNNN.array_record`: one record = one sequence of `seq_len` token ids stored as
   little-endian int32 bytes (`seq_len * 4` bytes), written with `group_size:1` so each record is
   read on its own (random access for Grain's global shuffle), zstd-compressed;
@@ -9,7 +9,7 @@ Storage format (written by `tools/prepare_data.py`, read by `PretokenizedSource`
   `num_tokens`, `num_dropped_tokens`, `shards` ([{"path": file name, "num_sequences": n}]) and the
   input files.
 
-Packing follows REFERENCE_SPEC §8.2: each document is tokenized on its own, BOS prepended, no EOS;
+Packing follows §8.2: each document is tokenized on its own, BOS prepended, no EOS;
 the documents are concatenated into one stream in input order, cut into consecutive `seq_len`
 sequences, and the incomplete tail is dropped. No document masking: sequences cross documents.
 """
@@ -128,7 +128,7 @@ def read_metadata(directory: str | os.PathLike) -> dict:
   path = pathlib.Path(directory) / METADATA_FILENAME
   if not path.is_file():
     raise FileNotFoundError(f"{path} not found: {directory} is not a prepared corpus (or its"
-                            " preparation did not finish); run tools/prepare_data.py")
+                            " preparation did not finish); run lalte-prepare-data")
   metadata = json.loads(path.read_text(encoding="utf-8"))
   if metadata.get("format") != FORMAT_NAME:
     raise ValueError(f"{path}: format {metadata.get('format')!r}, expected {FORMAT_NAME!r}")

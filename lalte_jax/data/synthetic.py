@@ -3,7 +3,7 @@
 Both sources are Grain `RandomAccessDataSource`s (`__len__`, `__getitem__`): element `i` is a pure
 function of `(seed, i)`, drawn from `np.random.default_rng(np.random.SeedSequence([seed, i]))`, so
 any process can produce any element without generating the ones before it, and the trainer's
-synthetic data and the evaluation tasks (issue 7) agree on every example.
+synthetic data and the evaluation tasks agree on every example.
 
 Label convention (shared by every source in `lalte_jax.data`): labels are already shifted.
 `labels[t]` is the token the model must predict from position `t` (the target of `logits[t]`), and

@@ -1,4 +1,4 @@
-"""Evaluation suite (issue 7): synthetic recall, RULER S-NIAH, perplexity, lm-eval and EVAPORATE.
+"""Evaluation suite: synthetic recall, RULER S-NIAH, perplexity, lm-eval and EVAPORATE.
 
 - `recall`: MQAR (zoology), long-gap MQAR and passkey on the model's ids, plus the reproduction
   study's training mixture (`recall_curriculum`);

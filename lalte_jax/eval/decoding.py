@@ -6,7 +6,7 @@
 - `greedy_generate`: greedy completions with the constant-memory prefill + decode loop.
 
 Every call goes through `prefill` / `generate` with their caches, so LTE layers keep at most `cap`
-out-of-window tokens per head, computed at the end of the input (G24 in REFERENCE_SPEC §10: the
+out-of-window tokens per head, computed at the end of the input (G24: the
 paper's evaluations ran the cached path, not the uncapped training mask). Rows are processed in
 batches of `batch_size`; prompts of different lengths are left-padded, as `prefill` requires. A
 last, partial batch is filled up with copies of its last row (results dropped), so that one

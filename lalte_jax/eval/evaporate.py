@@ -1,4 +1,4 @@
-"""EVAPORATE-style recall tasks (REFERENCE_SPEC §9.3): FDA, SWDE, NQ, SQuAD, TriviaQA, DROP.
+"""EVAPORATE-style recall tasks (§9.3): FDA, SWDE, NQ, SQuAD, TriviaQA, DROP.
 
 The reference (Arora et al., "Just read twice": the `based_*` tasks of HazyResearch's lm-eval
 fork) gives each document as `{"text": prompt, "value": gold answer}`: the model continues the

@@ -1,4 +1,4 @@
-"""S-NIAH-1/2/3 in RULER's format and scoring (REFERENCE_SPEC §9.2), for any tokenizer.
+"""S-NIAH-1/2/3 in RULER's format and scoring (§9.2), for any tokenizer.
 
 Prompt (RULER's niah template for one needle, one query, one value):
 

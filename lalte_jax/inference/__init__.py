@@ -1,4 +1,4 @@
-"""Constant-memory inference: per-layer decode caches and the generation loop (REFERENCE_SPEC §5).
+"""Constant-memory inference: per-layer decode caches and the generation loop (§5).
 
 caches.py       cache layouts per mixer kind (GDN, SWA ring, full attention, NSA) and ModelCache
 layer_steps.py  per-mixer prefill / decode steps on the modules' own parameters

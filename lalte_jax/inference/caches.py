@@ -1,4 +1,4 @@
-"""Decode caches of every mixer kind, and the whole model's cache (REFERENCE_SPEC §2, §3.1, §5, §6).
+"""Decode caches of every mixer kind, and the whole model's cache (§2, §3.1, §5, §6).
 
 Batches are left-padded (the prompt's real tokens end at the same padded-tensor index in every
 row), so one scalar `position` — the padded index of the next token — describes every row; a row's

@@ -1,7 +1,7 @@
-"""Training-free eviction for the full-attention layers of a trained GDN+Attn model (REFERENCE_SPEC
-§7.1-7.2): TOVA and uniform stride + recent window, each at a fixed total cache per layer.
+"""Training-free eviction for the full-attention layers of a trained GDN+Attn model
+(§7.1-7.2): TOVA and uniform stride + recent window, each at a fixed total cache per layer.
 
-Choices for the spec's open points (documented here and in the report):
+Choices for the spec's open points (documented here and in docs/model_spec.md §13):
 - Prompt (both policies): the prompt is processed by exact full attention; the cache is reduced
   once, at the end of the prompt, to the set the policy keeps there. This is the one-shot reading
   (the same end-of-prompt reduction LTE's prefill applies, §5.2 / §5.6), cheaper than streaming

@@ -1,4 +1,4 @@
-"""The LTE layer's constant-memory decode cache (REFERENCE_SPEC §5), as pure JAX functions.
+"""The LTE layer's constant-memory decode cache (§5), as pure JAX functions.
 
 Per LTE layer the cache holds W + b key/value slots per KV head (W = w + 1 window keys, b = cap):
 

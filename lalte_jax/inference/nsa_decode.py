@@ -1,4 +1,4 @@
-"""NSA attention of one new query per row against a preallocated cache (REFERENCE_SPEC §6).
+"""NSA attention of one new query per row against a preallocated cache (§6).
 
 `nsa_attention` places its queries at the last positions of the key tensor; in a preallocated
 cache each row's query sits at its own position t_b (rows have different prompt lengths), so this

@@ -1,4 +1,4 @@
-"""Softmax attention with RoPE and GQA: full causal or sliding window (REFERENCE_SPEC §3.1).
+"""Softmax attention with RoPE and GQA: full causal or sliding window (§3.1).
 
 The q/k/v/o projections here are shared by every attention-type mixer (LTE and NSA add to them).
 """

@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixer (REFERENCE_SPEC §2, FLA's GatedDeltaNet layer with use_gate and short conv).
+"""Gated DeltaNet mixer (§2, FLA's GatedDeltaNet layer with use_gate and short conv).
 
 x -> q, k, v (projection, causal depthwise conv 4, SiLU), beta = sigmoid(b_proj x),
 g = -exp(A_log) * softplus(a_proj x + dt_bias) (natural-log decay, float32), the gated delta rule

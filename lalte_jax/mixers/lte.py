@@ -1,4 +1,4 @@
-"""Learnable token eviction attention, training-time definition (REFERENCE_SPEC §4).
+"""Learnable token eviction attention, training-time definition (§4).
 
 The router scores every (token, KV head) from the pre-RoPE key and the value. A key is visible to
 query t iff it is causal and (it is among the w+1 most recent keys, or a sink (first `num_sinks`

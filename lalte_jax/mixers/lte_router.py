@@ -1,4 +1,4 @@
-"""The LTE router (REFERENCE_SPEC §4.1): a small per-KV-head CNN over concat(k_pre_rope, v).
+"""The LTE router (§4.1): a small per-KV-head CNN over concat(k_pre_rope, v).
 
 Per KV head the channel widths halve at each conv layer, 2D -> D -> D/2 -> D/4 for the paper's
 three layers (kernel 3, dilation 2, 'same' zero padding at every layer, with bias), then a 1x1

@@ -1,4 +1,4 @@
-"""Native sparse attention as the authors used it (REFERENCE_SPEC §6, G22).
+"""Native sparse attention as the authors used it (§6, G22).
 
 Projections as attention plus g_proj: hidden -> Hq*3 sigmoid gates in the order [cmp, slc, swa];
 RoPE on q and k; the three branches (mean-pooled compressed blocks, top-n selected blocks with the

@@ -56,7 +56,7 @@ class TrainConfig:
   # `grad_accum_steps` micro-batches that run one after the other.
   global_batch_size: int = 16
   grad_accum_steps: int = 1
-  # Optimisation (REFERENCE_SPEC §8.1).
+  # Optimisation (§8.1).
   steps: int = 200
   warmup_steps: int = 20
   lr: float = 3e-4

@@ -1,4 +1,4 @@
-"""AdamW, the warmup-stable-cosine learning rate and global-norm clipping of REFERENCE_SPEC §8.1.
+"""AdamW, the warmup-stable-cosine learning rate and global-norm clipping of §8.1.
 
 The reference trains with torch AdamW (betas 0.9/0.95, eps 1e-15, weight decay 0.1 on every
 parameter in one group), torchtitan's linear-warmup / one stable step / cosine-to-0.1x schedule,

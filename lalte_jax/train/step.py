@@ -1,6 +1,6 @@
 """The train state and the train step: micro-batches, CE + LTE sparsity loss, controller, AdamW.
 
-One call of the step is one optimizer step k = state.step + 1 (REFERENCE_SPEC §8.3):
+One call of the step is one optimizer step k = state.step + 1 (§8.3):
 1. for each of the A micro-batches (a `lax.scan`): forward with router dropout, loss
    = CE_sum / (scored tokens of the whole step) + L_sparse / A, backward; gradients summed in
    float32;

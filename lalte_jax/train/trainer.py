@@ -6,7 +6,7 @@ gradients in a row, evaluates held-out recall on synthetic tasks, and returns a 
 `callbacks` are called as `callback(trainer, step)` after each step. SIGTERM/SIGINT end the loop
 after the step in flight (the summary then holds `stopped_at`).
 
-With `checkpoints` (a `train.checkpointing.RunCheckpoints`, as the CLI passes) the run is
+With `checkpoints` (a `lalte_jax.train.checkpointing.RunCheckpoints`, as the CLI passes) the run is
 resumable: it starts from the newest complete checkpoint (`config.resume`), saves every
 `checkpoint_every` steps and at the end, saves the current step when a signal stops it, and
 finally exports the parameters for inference into `<run_dir>/export`. Without it nothing

@@ -1,7 +1,7 @@
 """Decode attention: one query per (batch row, query head) over a KV cache's slots.
 
 Public entry: `decode_attention`. It serves every decode cache: the LTE cache (ring + compacted
-out-of-window set, per-(row, KV head) lengths and ring blanks, REFERENCE_SPEC §5.3 step 4), the SWA
+out-of-window set, per-(row, KV head) lengths and ring blanks, §5.3 step 4), the SWA
 ring and the full-attention cache. See `reference` for the exact definition.
 """
 

@@ -33,7 +33,7 @@ EMPTY_MAX = -1e30
 class DecodeBlockSizes:
   """Tiling of the slot axis. None fields are chosen per call (`slots_and_splits`)."""
   # block_slots None: 128 slots per step when the grid fits on the GPU at 2 programs per SM (a
-  # 128-slot, 3-stage program holds 96 KiB of shared memory), else 64 (4 per SM). Session 9 on one
+  # 128-slot, 3-stage program holds 96 KiB of shared memory), else 64 (4 per SM). 2026-11-23, one
   # H100, B32, GPU kernel time from profiler traces (docs/benchmarks.md): lalte-1.4b (256
   # programs) 34.0 us at 128 slots against 37.0 at 64 with 2 splits (the earlier default); lalte-0.4b
   # (512 programs) 62.1 us at 64 slots against 68.2 at 128, whose 512 programs need two waves.

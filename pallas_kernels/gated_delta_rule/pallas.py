@@ -1,6 +1,6 @@
 """`implementation="pallas"` of `chunk_gated_delta_rule`: the chunked WY form around Pallas kernels.
 
-Split (REFERENCE_SPEC §2 notation, per batch row and head, chunks of C tokens):
+Split (§2 notation, per batch row and head, chunks of C tokens):
   (a) per chunk, in parallel, Pallas kernels (pallas_prepare.py, with the blockwise chunk inverse
       of pallas_inverse.py): l2norm, cumulative log-decay, A, T = (I + A)^-1,
       w = T diag(beta exp(G)) k, u = T diag(beta) v, kd = diag(exp(G_C - G)) k, a = exp(G_C); and

@@ -19,8 +19,8 @@ cotangents of w and u back through X (the forward's residual) to A, and
 `attention_backward_kernel` adds those of kd, qg and p and runs the l2norm's backward, writing
 dq, dk, dv in the public layout. (A first hand-written backward, one fused kernel after an
 in-kernel row-by-row inverse, measured 13.5 ms against ~4 ms for XLA's forward + backward on one
-H100 at B8 T4096 H8 K=V=128, session 3; session 7 measured the XLA preparation's forward +
-autodiff at 9.2-9.7 ms of a 13.4-14.1 ms GDN forward + backward at B4 T4096 H64.) The chunk
+H100 at B8 T4096 H8 K=V=128, 2026-11-22; the XLA preparation's forward +
+autodiff measured 9.2-9.7 ms of a 13.4-14.1 ms GDN forward + backward at B4 T4096 H64.) The chunk
 decay is one sum per chunk and stays in XLA (a Triton program cannot store one scalar).
 
 Precision as in pallas.py: float32 inputs use full-precision float32 dots; otherwise q, k, v and
@@ -56,10 +56,10 @@ __all__ = ["PrepareConfig", "prepare_chunks"]
 class PrepareConfig:
   """Triton launch parameters of the per-chunk kernels (the inverse uses one warp).
 
-  Forward defaults: the fastest of warps 2/4/8 x stages 1/2 at 3 of the 4 shapes of issue 6 on
-  one H100 (session 7, docs/benchmarks.md); at B4 T4096 H64 one stage measured 2% faster (2.64 /
+  Forward defaults: the fastest of warps 2/4/8 x stages 1/2 at 3 of the 4 shapes of compare_fla on
+  one H100 (2026-11-22, docs/benchmarks.md); at B4 T4096 H64 one stage measured 2% faster (2.64 /
   2.70 ms). 4 warps spill at K = 256 (3.45 against 1.34 ms) and 2 warps everywhere (up to 20x
-  slower). Backward (no loops, so no stages), session 8 on an H100, 4 / 8 warps: the first kernel
+  slower). Backward (no loops, so no stages), 2026-11-23 on an H100, 4 / 8 warps: the first kernel
   2.6 / 3.7 ms at B4 T4096 H64 and 1.7 / 1.9 at B8 T4096 H8 K=V=256; the second 5.2 / 2.4 and
   7.6 / 1.5 (it spills at 4).
   """

@@ -48,7 +48,7 @@ class StatePassConfig:
   differentiation (it also writes every chunk's state and v_new for the backward, which needs more
   registers and shared memory), *_bwd for the backward.
   v_blocks_adjacent: launch the V-blocks of one head next to each other (see `_grid_and_specs`).
-    Measured on one H100 (session 7, K = V = 128, default blocks otherwise), adjacent / not:
+    Measured on one H100 (2026-11-22, K = V = 128, default blocks otherwise), adjacent / not:
     B4 T4096 H64 forward 0.94 / 1.13 ms, forward + backward 4.04 / 4.51 ms (several waves of
     programs, so the heads' shared reads stay in L2); B8 T4096 H8 0.352 / 0.351 and 1.28 / 1.23
     ms (one wave: within noise).
@@ -56,7 +56,7 @@ class StatePassConfig:
     writes every chunk's state and v_new for the backward in any case) and the outputs
     o = qg h + p v_new follow in parallel over chunks (XLA batched matmuls); this halves the
     matmuls on the sequential path. The plain forward always computes o inside the pass (it would
-    have to write the chunk states only for this). Measured on one H100 (session 6, docs/
+    have to write the chunk states only for this). Measured on one H100 (2026-11-22, docs/
     benchmarks.md), forward + backward ms inside / after the pass: B8 T4096 H8 K=V=256 8.05 /
     7.64, K=V=128 3.97 / 3.80, B4 T4096 H64 K=V=128 14.60 / 13.91; B1 T16384 H8 3.42 / 3.27 and
     3.37 / 3.45 in two runs (within noise). The plain forward was slower with the outputs after

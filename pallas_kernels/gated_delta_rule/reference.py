@@ -185,7 +185,7 @@ def chunk_gated_delta_rule_reference(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """The chunked WY/UT form (REFERENCE_SPEC §2), exactly equal to the recurrence in exact math.
+  """The chunked WY/UT form (§2), exactly equal to the recurrence in exact math.
 
   Shapes as in the module docstring; any T (padded internally to a multiple of `chunk_size`).
   Within a chunk of C tokens with start state S0 and cumulative log-decay G_i = sum_{m<=i} g_m:

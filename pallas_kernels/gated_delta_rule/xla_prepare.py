@@ -3,7 +3,7 @@ around the Pallas chunk inverse (pallas_inverse.py), all chunks at once: the rea
 of the preparation kernels (pallas_prepare.py), whose outputs and gradients the tests compare with
 it, and their timing baseline in tools/compare_fla.py (which times its three parts one by one).
 
-Per batch row, head and chunk of C tokens (REFERENCE_SPEC §2; G = in-chunk cumulative log-decay):
+Per batch row, head and chunk of C tokens (§2; G = in-chunk cumulative log-decay):
 l2norm, the decays, A = diag(beta) (k k^T ⊙ exp(G_i - G_j)) strictly below the diagonal,
 T = (I + A)^-1 diag(beta), w = T diag(exp(G)) k, u = T v, kd = diag(exp(G_C - G)) k,
 qg = diag(exp(G)) q, p = (q k^T) ⊙ exp(G_i - G_j) (j <= i) and the chunk decay exp(G_C).

@@ -1,6 +1,6 @@
 """LTE cache data movement: prefill compaction and the fused decode evict/insert step.
 
-Public entries: `compact_top_scores` (REFERENCE_SPEC §5.2 step 5) and `evict_and_insert` (§5.3
+Public entries: `compact_top_scores` (§5.2 step 5) and `evict_and_insert` (§5.3
 step 3). See `reference` for the exact definitions; pallas_kernels never sees the cache dataclass,
 only its arrays.
 """

@@ -1,4 +1,4 @@
-"""Pure-JAX reference for the LTE cache's data movement (REFERENCE_SPEC §5.2 step 5, §5.3 step 3).
+"""Pure-JAX reference for the LTE cache's data movement (§5.2 step 5, §5.3 step 3).
 
 Cache layout (§5.1): slots [0, W) are the ring, slots [W, W + b) the compacted out-of-window (OOW)
 set whose first `past_len[b, h]` entries are valid. Scores are float32, sinks +inf, blanks -inf.

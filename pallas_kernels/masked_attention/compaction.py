@@ -69,7 +69,7 @@ def kept_positions(listed_BKS, listed_before_BKS, *, capacity):
   # Stream compaction: a listed key's slot is the number of listed keys before it, so the list comes
   # out ascending; unlisted keys scatter out of bounds and are dropped. O(S) per row, where a sort
   # of the rows (the first version) is O(S log^2 S) on the GPU in ~100 launches at S = 16384 and
-  # was the part of the LTE prefill that grew with S (docs/benchmarks.md, session 6). Unlisted keys
+  # was the part of the LTE prefill that grew with S (H100, 2026-11-22). Unlisted keys
   # get distinct out-of-bounds slots, so the indices really are unique.
   slot_BKS = jnp.where(listed_BKS, listed_before_BKS - 1, capacity + key_pos_S)
   batch_B11 = jnp.arange(batch, dtype=jnp.int32)[:, None, None]

@@ -1,5 +1,5 @@
 """Dense reference for masked softmax attention: the one definition that full attention, SWA, sink
-attention and the LTE layer share (REFERENCE_SPEC §3.1, §4.2, G1, G21).
+attention and the LTE layer share (§3.1, §4.2, G1, G21).
 
 Queries are the last T of the S key positions: query i sits at absolute position p_i = S - T + i
 (T == S in training, T < S when decoding against a cache). Key j is visible to query i iff

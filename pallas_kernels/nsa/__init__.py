@@ -1,5 +1,5 @@
 """Native sparse attention (compressed + selected + sliding-window branches) as used by NSA and
-laNSA layers (REFERENCE_SPEC §6).
+laNSA layers (§6).
 
 Public entry: `nsa_attention`. The branch helpers (`compress`, `compressed_attention`,
 `select_blocks`, `selected_attention`) live in `pallas_kernels.nsa.reference`.

@@ -1,4 +1,4 @@
-"""Dense reference for native sparse attention as the authors use it (REFERENCE_SPEC §6, G22).
+"""Dense reference for native sparse attention as the authors use it (§6, G22).
 
 Three branches over post-RoPE keys/values, mixed by per-head sigmoid gates:
 

@@ -9,8 +9,8 @@ from lalte_jax.config import (AttentionConfig, GDNConfig, LTEConfig, ModelConfig
 from lalte_jax.model import count_parameters
 from lalte_jax.presets import preset_names
 
-# REFERENCE_SPEC §1.5 (issue 2 quotes four of them exactly; the rest follow from the same
-# configs and agree with the spec's table to its 0.1M rounding).
+# Counted from the paper's configs; they agree with the rounded table of §1.5 (to 0.1M), which
+# SPEC_TABLE_MILLIONS restates.
 EXPECTED_PARAMETERS = {
     "gdn-0.4b": 366_956_928,
     "gdn_swa-0.4b": 354_028_224,
@@ -29,7 +29,7 @@ EXPECTED_PARAMETERS = {
     "nsa-1.4b": 1_180_272_640,
     "transformer-1.4b": 1_213_302_784,
 }
-SPEC_TABLE_MILLIONS = {  # the spec's rounded table, as a cross-check of the exact numbers above
+SPEC_TABLE_MILLIONS = {  # §1.5's rounded table, as a cross-check of the exact numbers above
     "gdn-0.4b": 367.0, "gdn_swa-0.4b": 354.0, "lalte-0.4b": 360.2, "lansa-0.4b": 358.4,
     "nsa-0.4b": 349.8, "transformer-0.4b": 341.1, "pure_lte-0.4b": 353.5, "gdn-1.4b": 1466.3,
     "gdn_swa-1.4b": 1339.8, "lalte-1.4b": 1342.9, "lansa-1.4b": 1323.3, "nsa-1.4b": 1180.3,

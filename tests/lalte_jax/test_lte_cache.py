@@ -1,4 +1,4 @@
-"""The LTE layer's constant-memory decode cache (REFERENCE_SPEC §5, G11-G15, G25).
+"""The LTE layer's constant-memory decode cache (§5, G11-G15, G25).
 
 All comparisons are at the layer level with the tiny preset (w = 24 so W = 25, cap 16, 4 sinks,
 router margin 6, Hq 4, Hkv 2, D 16), float32 unless stated.

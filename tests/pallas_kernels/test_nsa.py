@@ -1,4 +1,4 @@
-"""nsa_attention: the reference against a per-query loop over REFERENCE_SPEC §6, plus the block
+"""nsa_attention: the reference against a per-query loop over §6, plus the block
 selection rules, causality, decoding and gradients."""
 
 from __future__ import annotations

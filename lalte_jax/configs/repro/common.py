@@ -36,7 +36,7 @@ SHORT_GAP_STEPS = 1000
 LEARNING_RATES = (5e-3,)
 EVAL_LENGTHS = (128, 256, 512)
 
-# The rescaled residual-output init (REFERENCE_SPEC G17; the preset default of the hybrid family
+# The rescaled residual-output init (G17; the preset default of the hybrid family
 # laLTE / laNSA only) for every model, so that the models differ in their mixers alone: in a first
 # run with the presets' own inits, laLTE and laNSA left the 4.85 plateau (ln 128) by step 200,
 # the four others only after ~1000 steps, which would have confounded the comparison.

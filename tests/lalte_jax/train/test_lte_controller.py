@@ -1,4 +1,4 @@
-"""The LTE sparsity loss and lambda controller against REFERENCE_SPEC §4.4-4.6, step by step."""
+"""The LTE sparsity loss and lambda controller against §4.4-4.6, step by step."""
 
 import jax
 import jax.numpy as jnp

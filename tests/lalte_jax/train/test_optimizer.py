@@ -1,4 +1,4 @@
-"""AdamW, schedule and clipping against the formulas of REFERENCE_SPEC §8.1 (torch semantics)."""
+"""AdamW, schedule and clipping against the formulas of §8.1 (torch semantics)."""
 
 import math
 

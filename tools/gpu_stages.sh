@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# The GPU measurements as named stages: GPU tests, kernel benchmarks and profiles, the
+# reproduction study. docs/benchmarks.md and docs/results.md hold what they measured.
+#
+#   bash tools/gpu_stages.sh STAGE [--out DIR] [--budget SECONDS] [--wheels DIR]
+#
+# --out DIR (or OUT_DIR): where the stage writes its log (STAGE.log) and its JSON, figures and
+#     archives; default runs/gpu/STAGE.
+# --budget SECONDS (or STAGE_BUDGET_S): time budget of the whole stage. No step starts after it,
+#     and a running step is stopped at it, so the stage fits a fixed time slot and keeps what ran.
+#     Default 0: no budget (every step still has its own time limit below).
+# --wheels DIR (or WHEELS_DIR): first install the wheel files in DIR (no index, no dependencies)
+#     into a private site directory, for a GPU machine without network access. Without it the
+#     current environment must have the package's `cuda` and `dev` extras.
+#
+# Stages (approximate duration on one H100):
+#   tests      GPU parity tests (~9 min)
+#   kernels    attention + decode benchmarks (~8 min); "attention": the same without decode
+#   profile    GDN pieces + FLA at one shape, attention pieces (~9 min)
+#   checks     tiny-model checks (GDN, laLTE) and the decode benchmark (~9 min)
+#   sweeps     prefill and decode launch-parameter sweeps (~7 min)
+#   confirm    decode + attention ratios at 3 lengths, no FLA (~6 min)
+#   kprofile   per-kernel GPU time of decode and attention (~5 min)
+#   prep       GDN preparation kernels against XLA at 4 shapes; FLA at B4 H64
+#   gdn        GDN against FLA at shapes 0 and 1 of tools/compare_fla.py (~6-9 min)
+#   gdn23      GDN against FLA at shapes 3 and 2 (~6-9 min)
+#   study      the reproduction study (STUDY_SETTINGS='base small_state', ~9 min)
+#   multigpu   several GPUs of one host: kernels per shard, FSDP scaling of the 0.4b step
+# Run from anywhere; the stage runs in the repository root.
+set -uo pipefail
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
+(($#)) || { echo "$usage" >&2; exit 2; }
+stage=$1
+shift
+dest=${OUT_DIR:-runs/gpu/$stage}
+budget_s=${STAGE_BUDGET_S:-0}
+wheels=${WHEELS_DIR:-}
+while (($#)); do
+  case "$1" in
+    --out) dest=${2:?$usage}; shift 2 ;;
+    --budget) budget_s=${2:?$usage}; shift 2 ;;
+    --wheels) wheels=${2:?$usage}; shift 2 ;;
+    *) echo "unknown argument: $1" >&2; echo "$usage" >&2; exit 2 ;;
+  esac
+done
+case "$stage" in
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|multigpu) ;;
+  *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
+esac
+[[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
+mkdir -p "$dest" && dest=$(cd "$dest" && pwd) || exit 2
+[ -n "$wheels" ] && { wheels=$(cd "$wheels" && pwd) || exit 2; }
+cd "$(dirname "$0")/.." || exit 2
+start=$(date +%s)
+
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "$wheels" ]; then
+  site=${TMPDIR:-/tmp}/lalte-gpu-site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$wheels"/*.whl || exit 1
+  export PYTHONPATH=$site:$PYTHONPATH
+fi
+# Compiled kernels (Triton's, FLA's autotuning results, XLA's programs) under the repository's
+# ignored .cache/: shared by the steps and test workers of a stage, and by the next stage.
+export TRITON_CACHE_DIR=$PWD/.cache/triton JAX_COMPILATION_CACHE_DIR=$PWD/.cache/jax \
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+log="$dest/$stage.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$log" 2>&1
+
+# step SECONDS CMD...: runs CMD for at most SECONDS, and none of it past the stage's budget.
+step() {
+  local limit=$1; shift
+  if ((budget_s > 0)); then
+    local left=$((budget_s - ($(date +%s) - start)))
+    ((left < limit)) && limit=$left
+    if ((limit < 20)); then echo "### skipped (budget): $*" >>"$log"; return; fi
+  fi
+  echo "### $(date +%T) (${limit}s) $*" >>"$log"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+  echo "### exit $? after $(($(date +%s) - start))s" >>"$log"
+}
+
+case "$stage" in
+  tests)
+    # Triton compilation dominates, so the tests run 6 at once (one at a time, 11 tests took
+    # 200 s on an H100, 2026-11-22).
+    step 520 python3 -m pytest -q -m gpu tests/pallas_kernels tests/lalte_jax -n 6 \
+      -p no:cacheprovider --durations=20
+    ;;
+  kernels|attention)
+    # On an H100 (2026-11-22) the 4K run needs more than 150 s (its checks), the 8K/16K run ~100 s.
+    step 230 python3 tools/bench_attention.py --quick --iters 10 --json "$dest/attention.json"
+    step 150 python3 tools/bench_attention.py --no-checks --no-fla --iters 5 \
+      --lengths 8192 16384 --only "SWA-1024" "LTE train" "LTE prefill (" "kept list" \
+      --json "$dest/attention_long.json"
+    [ "$stage" = kernels ] && step 100 python3 tools/bench_decode_attention.py --repeats 20 \
+      --json "$dest/decode.json"
+    ;;
+  profile)
+    # Where the time goes: the GDN preparation's parts at every shape, FLA at B1 T16384 K=128 only
+    # (its autotuning costs minutes per shape); the attention kernels next to the prefill's XLA
+    # kept list at 3 lengths.
+    step 300 python3 tools/compare_fla.py --quick --shapes 2,1,3,0 --fla-shapes 2 --no-train \
+      --out "$dest"
+    step 230 python3 tools/bench_attention.py --no-checks --no-fla --iters 20 \
+      --only "SWA-1024" "LTE train" "LTE prefill" "kept list" --json "$dest/attention.json"
+    ;;
+  checks)
+    # The model-level checks after a kernel change: gdn-tiny trained with the Pallas GDN kernel vs
+    # the XLA reference (plus our GDN timings at one shape), the attention parity and laLTE-tiny
+    # checks of bench_attention.py (only the cuDNN anchor timed), and the decode benchmark.
+    step 200 python3 tools/compare_fla.py --quick --no-fla --shapes 1 --out "$dest"
+    step 260 python3 tools/bench_attention.py --quick --no-fla --iters 5 --only "cuDNN SWA-1024" \
+      --json "$dest/attention_checks.json"
+    step 100 python3 tools/bench_decode_attention.py --repeats 20 --json "$dest/decode.json"
+    ;;
+  sweeps)
+    # Launch-parameter sweeps: the LTE prefill's forward blocks (B8 T4096) and decode at the
+    # lalte-1.4b cache (B32).
+    step 220 python3 tools/bench_attention.py --sweep --no-checks --no-fla --iters 10 \
+      --only prefill --json "$dest/attention_sweep.json"
+    step 180 python3 tools/bench_decode_attention.py --presets lalte-1.4b --sweep --repeats 10 \
+      --json "$dest/decode_sweep.json"
+    ;;
+  confirm)
+    # The headline ratios: decode at both caches, then SWA, LTE training and LTE prefill at the
+    # three lengths (no FLA, no checks).
+    step 90 python3 tools/bench_decode_attention.py --repeats 20 --json "$dest/decode.json"
+    step 240 python3 tools/bench_attention.py --no-checks --no-fla --iters 10 \
+      --only "SWA-1024" "=ours LTE train (769 + 4 sinks + 256 kept)" "LTE prefill (" \
+      --json "$dest/attention.json"
+    ;;
+  kprofile)
+    # Per-kernel GPU time (jax.profiler) of decode at both caches and of the attention targets at
+    # 4K and 16K: which kernels of a call take the time, and how long the GPU idles between them.
+    step 400 python3 tools/profile_kernels.py --json "$dest/profile_kernels.json"
+    ;;
+  prep)
+    # The per-chunk preparation kernels (the default; forward and forward + backward) next to the
+    # XLA preparation at every shape (or SWEEP_SHAPES, e.g. "3,0"; launch configs of
+    # pallas_prepare.PrepareConfig), then the GDN against FLA at B4 T4096 H64, the shape the
+    # preparation limits most.
+    step 280 python3 tools/compare_fla.py --quick --sweep-prep --no-fla --no-train --shapes 3 \
+      --sweep-shapes "${SWEEP_SHAPES:-3,0,1,2}" --out "$dest/sweep"
+    step 250 python3 tools/compare_fla.py --quick --no-train --shapes 3 --out "$dest/shape3"
+    ;;
+  gdn|gdn23)
+    # One shape per step: FLA autotunes on its first call per shape. On a fresh H100 (2026-11-23)
+    # B8 T4096 K=V=256 (shape 0) and B4 T4096 H64 (3) need ~240-300 s each with FLA,
+    # B8 T4096 K=V=128 (1) and B1 T16384 (2) ~100 s; a 265 s limit cut shape 0 before FLA ran.
+    # Each run writes <dir>/compare_fla.json after every result. GDN_SHAPES="2" picks shapes.
+    shapes=(0 1); [ "$stage" = gdn23 ] && shapes=(3 2)
+    [ -n "${GDN_SHAPES:-}" ] && read -ra shapes <<<"$GDN_SHAPES"
+    for shape in "${shapes[@]}"; do
+      mkdir -p "$dest/shape$shape"
+      limit=200; [[ "$shape" == 0 || "$shape" == 3 ]] && limit=330
+      step "$limit" python3 tools/compare_fla.py --quick --shapes "$shape" --no-train \
+        --out "$dest/shape$shape"
+    done
+    ;;
+  study)
+    # STUDY_SETTINGS (default "base"): the settings of lalte_jax/configs/repro/common.py to run
+    # side by side, six trainings each. Trainings stop at their deadline and then evaluate what
+    # they have. STUDY_LRS / STUDY_MODELS: comma-separated learning rates / models (default: the
+    # study's); STUDY_STEPS overrides the training steps (the short-gap phase scales with it). At
+    # most 12 trainings share the GPU at once. On an H100, 6 at once run at ~17-20 steps/s each,
+    # 12 at once at ~8-9 (the GPU is saturated) and then compile and evaluate slowly, so 12 runs
+    # do not fit 10 minutes; `tools/repro.py --report-only` merges runs of several stages.
+    settings=${STUDY_SETTINGS:-base}
+    read -ra setting_list <<<"$settings"
+    parallel=$((12 / ${#setting_list[@]}))
+    run_name() { echo "$1${STUDY_STEPS:+_$STUDY_STEPS}"; }  # one name per setting (and steps)
+    for setting in $settings; do
+      step 500 python3 tools/repro.py --out "/tmp/repro_$(run_name "$setting")" \
+        --setting "$setting" --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} \
+        ${STUDY_MODELS:+--models "$STUDY_MODELS"} ${STUDY_STEPS:+--steps "$STUDY_STEPS"} \
+        --deadline-s 400 --grace-s 90 &
+    done
+    wait
+    for setting in $settings; do
+      name=$(run_name "$setting")
+      dir="/tmp/repro_$name"
+      step 40 python3 tools/plot_results.py --results "$dir" --out "$dir/figures"
+      cp "$dir/results.md" "$dest/results_$name.md" 2>>"$log"
+      # results, figures, metrics, summaries and laLTE retention of every run (no weights)
+      tar -czf "$dest/repro_$name.tar.gz" -C "$dir" --exclude=export --exclude='*.ckpt' \
+        --exclude=checkpoints . 2>>"$log"
+    done
+    ;;
+  multigpu)
+    # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on
+    # one GPU and with the batch and parameters split over all of them (same per-GPU batch).
+    step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
+    step 150 env CUDA_VISIBLE_DEVICES=0 python3 tools/bench_train.py --presets lalte-0.4b \
+      gdn_swa-0.4b --batch 4 --steps 3 --warmup 1 --json "$dest/train_1gpu.json"
+    n=$(nvidia-smi -L | wc -l)
+    step 200 python3 tools/bench_train.py --presets lalte-0.4b gdn_swa-0.4b --batch 4 \
+      --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$dest/train_fsdp.json"  # --batch is per GPU
+    ;;
+esac
+echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"
+tail -n 60 "$log"
