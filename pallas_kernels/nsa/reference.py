@@ -178,7 +178,56 @@ def nsa_attention(
   o_swa_BTHD = attention_with_mask(
       q_BTHD, k_BTKD, v_BTKD, attention_mask(query_len, key_len, window_size=window_size),
       scale=scale)
-  gates_BTH3 = gates_BTH3.astype(o_cmp_BTHD.dtype)
+  return gated_sum(gates_BTH3, o_cmp_BTHD, o_slc_BTHD, o_swa_BTHD).astype(q_BTHD.dtype)
+
+
+def gated_sum(gates_BTH3: jax.Array, o_cmp_BTHD: jax.Array, o_slc_BTHD: jax.Array,
+              o_swa_BTHD: jax.Array) -> jax.Array:
+  """g_slc o_slc + g_cmp o_cmp + g_swa o_swa, gates ordered [cmp, slc, swa] on the last axis;
+  in the branches' dtype, promoted with the gates'."""
   g_cmp_BTH1, g_slc_BTH1, g_swa_BTH1 = (gates_BTH3[..., i:i + 1] for i in range(3))
-  out_BTHD = g_slc_BTH1 * o_slc_BTHD + g_cmp_BTH1 * o_cmp_BTHD + g_swa_BTH1 * o_swa_BTHD
-  return out_BTHD.astype(q_BTHD.dtype)
+  return g_slc_BTH1 * o_slc_BTHD + g_cmp_BTH1 * o_cmp_BTHD + g_swa_BTH1 * o_swa_BTHD
+
+
+def decode_attention(
+    q_BHD: jax.Array,
+    gates_BH3: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    k_cmp_BNKD: jax.Array,
+    v_cmp_BNKD: jax.Array,
+    position_B: jax.Array,
+    *,
+    block_size: int,
+    block_count: int,
+    window_size: int,
+    scale: float | None = None,
+) -> jax.Array:
+  """NSA output [B, Hq, Dv] (q's dtype) of one query per row against a cache (decoding).
+
+  Row b's query sits at position t = position_B[b] and sees cache slots 0..t (its own key
+  included); slots after t may hold anything finite. k_cmp/v_cmp [B, N, Hkv, D] hold the mean of
+  every complete block of the cache (N >= S / block_size), so nothing is pooled again here; the
+  branches are the full sequence's at position t.
+  """
+  if scale is None:
+    scale = q_BHD.shape[-1] ** -0.5
+  num_kv_heads = k_BSKD.shape[2]
+
+  def one_row(q_HD, gates_H3, k_SKD, v_SKD, k_cmp_NKD, v_cmp_NKD, t):
+    q_11HD, k_1SKD, v_1SKD = q_HD[None, None], k_SKD[None], v_SKD[None]
+    o_cmp, probs = compressed_attention(q_11HD, k_cmp_NKD[None], v_cmp_NKD[None],
+                                        block_size=block_size, scale=scale, query_offset=t)
+    block_mask = select_blocks(probs, num_kv_heads=num_kv_heads, block_size=block_size,
+                               block_count=block_count, query_offset=t)
+    o_slc = selected_attention(q_11HD, k_1SKD, v_1SKD, block_mask, block_size=block_size,
+                               scale=scale, query_offset=t)
+    key_S = jnp.arange(k_SKD.shape[0])
+    in_window_S = (key_S <= t) & (t - key_S < window_size)
+    o_swa = attention_with_mask(q_11HD, k_1SKD, v_1SKD, in_window_S[None, None, None, :],
+                                scale=scale)
+    return gated_sum(gates_H3.astype(o_cmp.dtype)[None, None], o_cmp, o_slc, o_swa)[0, 0]
+
+  out_BHD = jax.vmap(one_row)(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD,
+                              position_B)
+  return out_BHD.astype(q_BHD.dtype)
