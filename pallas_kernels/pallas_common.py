@@ -191,13 +191,16 @@ def dkdv_step(dk_CD, dv_CV, p_RC, q_RD, do_RV, v_CV, delta_R):
   return dk_CD + dot_tn(ds.astype(q_RD.dtype), q_RD), dv_CV
 
 
-def merge_splits(out_BSHV, max_BSH, sum_BSH, exp):
+def merge_splits(out_BSHV, max_BSH, sum_BSH, *, base2: bool):
   """Merges the partial softmaxes of a key axis split S ways (XLA, after a split-K kernel): each
   split's unnormalised output, row maximum (finite: a split that saw no key holds a very negative
-  one) and row sum. exp: jnp.exp or jnp.exp2, the domain of the maxima. Returns [B, H, V]
-  float32, zero for a row that saw no key."""
+  one) and row sum, in the exp domain (base2=False) or the exp2 one. Returns (out [B, H, V]
+  float32, zero for a row that saw no key; the rows' log-sum-exp [B, H] in the same base, -inf for
+  a row that saw no key)."""
+  exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
   total_max_BH = jnp.max(max_BSH, axis=1)
   weight_BSH = exp(max_BSH - total_max_BH[:, None])
   total_sum_BH = jnp.sum(weight_BSH * sum_BSH, axis=1)
   out_BHV = jnp.sum(weight_BSH[..., None] * out_BSHV, axis=1)
-  return out_BHV / jnp.where(total_sum_BH > 0, total_sum_BH, 1.0)[..., None]
+  return (out_BHV / jnp.where(total_sum_BH > 0, total_sum_BH, 1.0)[..., None],
+          total_max_BH + log(total_sum_BH))

@@ -229,4 +229,4 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
   )(*operands)
   if final:
     return result
-  return merge_splits(*result, jnp.exp).astype(q_BHD.dtype)
+  return merge_splits(*result, base2=False)[0].astype(q_BHD.dtype)

@@ -49,15 +49,9 @@ def _load_rows(ref, start, positions: int):
   return block.reshape(positions * block.shape[1], block.shape[2])
 
 
-def _forward_kernel(*refs, problem: Problem, positions: int, block_c: int, row_position: bool):
-  """row_position: the first ref holds the position of the batch row's one query (decoding, where
-  each row's query sits at its own position); otherwise query row i is at query_offset + i."""
-  if row_position:
-    position_ref, *refs = refs
-    first_pos = position_ref[0]
-  else:
-    first_pos = problem.query_offset + pl.program_id(0) * positions
-  q_ref, kc_ref, vc_ref, o_ref, lse_ref, imp_ref = refs
+def _forward_kernel(q_ref, kc_ref, vc_ref, o_ref, lse_ref, imp_ref, *, problem: Problem,
+                    positions: int, block_c: int):
+  first_pos = problem.query_offset + pl.program_id(0) * positions
   group = problem.group
   rows = positions * group
   q = q_ref[...].reshape(rows, problem.head_dim)
@@ -183,26 +177,18 @@ def _query_tile_specs(problem: Problem, positions: int):
   return rows, stats, keys
 
 
-def forward(problem: Problem, blocks: NSABlockSizes, q, k_cmp, v_cmp, position_B=None):
+def forward(problem: Problem, blocks: NSABlockSizes, q, k_cmp, v_cmp):
   """(o [B, Tqp, Hq, Dv] in q's dtype, lse2 [B, Tqp, Hq] float32, importance [B, Tqp, Hkv, NBp]
-  float32) from padded q and compressed keys/values [B, NBp, Hkv, D].
-
-  position_B: int32 [B] for one query per row (Tqp = 1) at each row's own position (decoding);
-  None: query row i at problem.query_offset + i.
-  """
+  float32) from padded q and compressed keys/values [B, NBp, Hkv, D]."""
   batch, padded_len = q.shape[:2]
-  positions = 1 if position_B is not None else blocks.cmp_positions
+  positions = blocks.cmp_positions
   rows, stats, keys = _query_tile_specs(problem, positions)
-  in_specs, inputs = [rows, keys, keys], [q, k_cmp, v_cmp]
-  if position_B is not None:
-    in_specs.insert(0, pl.BlockSpec((1,), lambda i, b, h: (b,)))
-    inputs.insert(0, position_B.astype(jnp.int32))
   return _call(
       problem,
       functools.partial(_forward_kernel, problem=problem, positions=positions,
-                        block_c=blocks.cmp_keys, row_position=position_B is not None),
+                        block_c=blocks.cmp_keys),
       grid=(padded_len // positions, batch, problem.num_kv_heads),
-      in_specs=in_specs,
+      in_specs=[rows, keys, keys],
       out_specs=[rows, stats, pl.BlockSpec((None, positions, None, problem.num_blocks_padded),
                                            lambda i, b, h: (b, i, h, 0))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -210,7 +196,7 @@ def forward(problem: Problem, blocks: NSABlockSizes, q, k_cmp, v_cmp, position_B
                  jax.ShapeDtypeStruct((batch, padded_len, problem.num_kv_heads,
                                        problem.num_blocks_padded), jnp.float32)],
       num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-      name="nsa_compressed_fwd")(*inputs)
+      name="nsa_compressed_fwd")(q, k_cmp, v_cmp)
 
 
 def backward(problem: Problem, blocks: NSABlockSizes, q, k_cmp, v_cmp, o, lse, do):

@@ -80,6 +80,36 @@ def compressed_attention(
   return out_BTHD, probs_BTHN
 
 
+def block_importance(
+    probs_BTHN: jax.Array,
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    position_BT: jax.Array,
+) -> jax.Array:
+  """float [B, T, Hkv, NB]: how much each (query, KV head) wants each key block.
+
+  probs_BTHN: compressed-attention probabilities from `compressed_attention`; position_BT: the
+  queries' positions t, broadcastable to [B, T]. Per the module docstring: the sum over the
+  group's query heads of the probability of complete earlier blocks c < IC = floor(t /
+  block_size), 1 per head for the forced blocks 0, IC - 1 and IC, and -inf for blocks > IC (never
+  selected). Carries no gradient.
+  """
+  batch, query_len, num_q_heads, num_blocks = probs_BTHN.shape
+  group = num_q_heads // num_kv_heads
+  current_BT1 = jnp.broadcast_to(position_BT, (batch, query_len))[..., None] // block_size
+  block_N = jnp.arange(num_blocks)
+  forced_BTN = (block_N == 0) | (block_N == current_BT1 - 1) | (block_N == current_BT1)
+  earlier_BTN = block_N < current_BT1
+  # Selection is piecewise constant in the inputs: no gradient flows through importance.
+  probs_BTHN = jax.lax.stop_gradient(probs_BTHN)
+  per_head_BTHN = jnp.where(
+      forced_BTN[:, :, None], 1.0, jnp.where(earlier_BTN[:, :, None], probs_BTHN, 0.0))
+  importance_BTKN = per_head_BTHN.reshape(
+      batch, query_len, num_kv_heads, group, num_blocks).sum(axis=3)
+  return jnp.where((block_N <= current_BT1)[:, :, None], importance_BTKN, -jnp.inf)
+
+
 def select_blocks(
     probs_BTHN: jax.Array,
     *,
@@ -92,28 +122,17 @@ def select_blocks(
 
   probs_BTHN [B, T, Hq, NB]: compressed-attention probabilities from `compressed_attention`.
   Returns bool [B, T, Hkv, NB]: per the module docstring, the `block_count` most important valid
-  blocks, blocks 0, IC - 1 and IC forced, blocks > IC never selected.
+  blocks (`block_importance`), blocks 0, IC - 1 and IC forced, blocks > IC never selected.
   """
-  batch, query_len, num_q_heads, num_blocks = probs_BTHN.shape
-  group = num_q_heads // num_kv_heads
-  current_block_T = (query_offset + jnp.arange(query_len)) // block_size
-  block_N = jnp.arange(num_blocks)
-  current_TN = current_block_T[:, None]
-  forced_TN = (block_N == 0) | (block_N == current_TN - 1) | (block_N == current_TN)
-  earlier_TN = block_N < current_TN
-  # Selection is piecewise constant in the inputs: no gradient flows through importance.
-  probs_BTHN = jax.lax.stop_gradient(probs_BTHN)
-  per_head_BTHN = jnp.where(
-      forced_TN[:, None], 1.0, jnp.where(earlier_TN[:, None], probs_BTHN, 0.0))
-  importance_BTKN = per_head_BTHN.reshape(
-      batch, query_len, num_kv_heads, group, num_blocks).sum(axis=3)
-  valid_TN = block_N <= current_TN
-  importance_BTKN = jnp.where(valid_TN[:, None], importance_BTKN, -jnp.inf)
+  query_len, num_blocks = probs_BTHN.shape[1], probs_BTHN.shape[3]
+  importance_BTKN = block_importance(
+      probs_BTHN, num_kv_heads=num_kv_heads, block_size=block_size,
+      position_BT=(query_offset + jnp.arange(query_len))[None])
   # top_k puts the lower index first among equal values, which is the documented tie rule.
   top_importance_BTKC, top_block_BTKC = jax.lax.top_k(
       importance_BTKN, min(block_count, num_blocks))
   # With fewer valid blocks than block_count, top_k also returns invalid (-inf) ones: drop them.
-  chosen_BTKCN = ((top_block_BTKC[..., None] == block_N)
+  chosen_BTKCN = ((top_block_BTKC[..., None] == jnp.arange(num_blocks))
                   & jnp.isfinite(top_importance_BTKC)[..., None])
   return jnp.any(chosen_BTKCN, axis=-2)
 

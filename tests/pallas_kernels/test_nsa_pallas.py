@@ -223,7 +223,7 @@ def test_kernels_lower_to_triton():
       (grads, (q, k, k, gates), {"nsa_compressed_fwd", "nsa_compressed_dq", "nsa_compressed_dkdv",
                                  "nsa_selected_fwd", "nsa_selected_dq", "nsa_selected_dkdv",
                                  "masked_attention_fwd"}),
-      (decode, decode_args, {"nsa_compressed_fwd", "nsa_decode_selected_window"})):
+      (decode, decode_args, {"nsa_decode_compressed", "nsa_decode_selected_window"})):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert kernels <= set(re.findall(r'name = "([a-z_]+)"', text))
 
