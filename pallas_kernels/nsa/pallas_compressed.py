@@ -1,5 +1,5 @@
 """Compressed-attention branch of NSA in Pallas (Triton backend), with the block importance that
-the selection reads (§6; `reference.compressed_attention` and `reference.select_blocks`).
+the selection reads (§6; `reference.compressed_attention` and `reference.block_importance`).
 
 Query position t attends the complete compressed blocks c < floor((t + 1) / block_size). The
 forward program (grid: query tile, batch, KV head) holds `cmp_positions` positions x G heads as

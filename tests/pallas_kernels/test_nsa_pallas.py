@@ -21,7 +21,9 @@ import pytest
 
 from pallas_kernels.nsa import (
     NSABlockSizes, append_token, cache_length, compress_prompt, compressed_blocks,
-    nsa_attention, nsa_decode_attention, pallas, pallas_decode, reference, selection)
+    nsa_attention, nsa_decode_attention, pallas, pallas_compressed, pallas_decode, reference,
+    selection)
+from pallas_kernels.nsa.tiling import make_problem
 from tests.kernel_testing import assert_close
 
 BLOCKS = NSABlockSizes(cmp_keys=16, cmp_bwd_keys=16, cmp_bwd_queries_per_program=16,
@@ -103,6 +105,31 @@ def test_public_entry_refuses_untiled_shapes():
     nsa_attention(*(x[..., :12] for x in args[:3]), args[3], implementation="pallas", **sizes)
   with pytest.raises(NotImplementedError, match=">= 16"):
     nsa_attention(*args, implementation="pallas", **dict(sizes, block_size=8))
+
+
+def test_compressed_kernel_importance_matches_reference():
+  """The compressed kernel's outputs and block importance (fused into its second pass) against
+  reference.compressed_attention and reference.block_importance, T_q < T_k."""
+  inputs = _inputs(10, query_len=37, key_len=70)
+  q, k, v = (jnp.asarray(inputs[n], jnp.float32) for n in "qkv")
+  problem = make_problem(q.shape, k.shape, block_size=BLOCK_SIZE, block_count=4, scale=0.25,
+                         blocks=BLOCKS, interpret=True)
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+  k_cmp, v_cmp = (reference.compress(x, BLOCK_SIZE) for x in (k, v))
+  o, _, importance = pallas_compressed.forward(
+      problem, BLOCKS, pad(q, problem.padded_query_len), pad(k_cmp, problem.num_blocks_padded),
+      pad(v_cmp, problem.num_blocks_padded))
+  expected_o, probs = reference.compressed_attention(q, k_cmp, v_cmp, block_size=BLOCK_SIZE,
+                                                     scale=0.25, query_offset=33)
+  expected = np.asarray(reference.block_importance(
+      probs, num_kv_heads=2, block_size=BLOCK_SIZE, position_BT=33 + jnp.arange(37)[None]))
+  assert_close(o[:, :37], expected_o, jnp.float32)
+  importance = np.asarray(importance[:, :37])
+  num_blocks = expected.shape[-1]
+  assert np.all(importance[..., num_blocks:] == -np.inf)
+  np.testing.assert_array_equal(np.isinf(importance[..., :num_blocks]), np.isinf(expected))
+  finite = np.isfinite(expected)
+  np.testing.assert_allclose(importance[..., :num_blocks][finite], expected[finite], atol=1e-6)
 
 
 def test_select_top_blocks_matches_reference():
