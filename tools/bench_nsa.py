@@ -1,16 +1,21 @@
 """NSA on the GPU: parity with FLA's parallel_nsa and the reference, training-kernel timings
 against FLA in the same process, and decode bandwidth against a copy.
 
-    python tools/bench_nsa.py --json nsa.json                  # everything below (~6-8 min)
+    python tools/bench_nsa.py --json nsa.json                  # everything below
     python tools/bench_nsa.py --lengths 16384 --no-decode      # one length
+    python tools/bench_nsa.py --sweep --no-fla --no-parity --no-decode --lengths 8192
     python tools/bench_nsa.py --smoke                          # CPU: tiny shapes, interpret mode
+
+Each part catches its own failure and the table is printed last; a GPU run too long for one
+call splits with --lengths and --no-* (compiling each length's kernels takes most of the time).
 
 Shape (the paper's laNSA): Hq 32, Hkv 2, D 64, block 64, 16 selected blocks, window 512, bf16.
 1. Parity at B1 T2048: ours (`implementation="pallas"`) and FLA against the float32 reference,
    output and gradients (q, k, v, gates), relative to the reference's largest magnitude.
 2. Training: B x T = 32K tokens at T 4K, 8K, 16K; "fwd" is one jitted call, "fwd+bwd" one that
    also returns the gradients of q, k, v and the gates; ours and FLA timed in alternation
-   (`pallas_kernels.benchmarking.paired_ms`, FLA synced with torch.cuda.synchronize).
+   (`pallas_kernels.benchmarking.paired_ms`, FLA synced with torch.cuda.synchronize). `--sweep`
+   times ours alone for each NSABlockSizes candidate of SWEEP instead.
 3. Decode: B32, the cache full up to T 4K, 16K, 64K; `--sets` independent caches per jitted call
    (more bytes than L2 holds); GB/s = the bytes a step must read (the complete blocks' means, the
    selected blocks, the window, q) / time, against a jitted `x + 1` over 1 GiB (read + written)
@@ -70,6 +75,18 @@ SMOKE = Shape(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, block_c
               decode_contexts=(64,),
               blocks=NSABlockSizes(cmp_keys=16, cmp_bwd_keys=16, cmp_bwd_queries_per_program=16,
                                    slc_queries_per_program=8, decode_splits=2))
+
+
+# Launch-parameter candidates timed by --sweep (each compiles its own kernels).
+SWEEP = (
+    NSABlockSizes(),
+    NSABlockSizes(num_warps=2),
+    NSABlockSizes(num_warps=8),
+    NSABlockSizes(num_stages=3, num_stages_bwd=3),
+    NSABlockSizes(num_warps_bwd=8),
+    NSABlockSizes(cmp_positions=8, cmp_bwd_positions=8),
+    NSABlockSizes(slc_queries_per_step=8, slc_queries_per_program=512),
+)
 
 
 def make_inputs(key, batch: int, length: int, shape: Shape, dtype=jnp.bfloat16):
@@ -189,6 +206,22 @@ def time_training(shape: Shape, args, rows: list) -> None:
       print(json.dumps(rows[-1]), flush=True)
 
 
+def sweep(shape: Shape, args, rows: list) -> None:
+  """Ours alone, fwd and fwd+bwd, for each SWEEP candidate at each length."""
+  for blocks in SWEEP:
+    candidate = dataclasses.replace(shape, blocks=blocks)
+    changed = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)
+               if getattr(blocks, f.name) != f.default}
+    for length in shape.lengths:
+      batch = max(1, shape.tokens // length)
+      inputs = make_inputs(jax.random.key(2), batch, length, shape)
+      for mode, fn in zip(("fwd", "fwd+bwd"), ours(candidate)):
+        ms = median_ms(fn, [inputs], warmup=args.warmup, repeats=args.iters)
+        rows.append(dict(kind="train", batch=batch, length=length, mode=mode, ours_ms=ms,
+                         blocks=str(changed or "defaults")))
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def decode_case(shape: Shape, context: int, sets: int):
   """(jitted step over `sets` caches, its inputs, bytes one step must read per cache)."""
   batch, heads, kv_heads, dim = (shape.decode_batch, shape.num_q_heads, shape.num_kv_heads,
@@ -236,7 +269,8 @@ def print_table(rows: list, lines: list) -> None:
     if row["kind"] == "train":
       fla_ms = f"{row['fla_ms']:.3f} ms" if "fla_ms" in row else "-"
       ratio = f"{row['ratio']:.2f}x" if "ratio" in row else "-"
-      print(f"| train {row['mode']} | B{row['batch']} T{row['length']} |"
+      mode = row["mode"] + (f" {row['blocks']}" if "blocks" in row else "")
+      print(f"| train {mode} | B{row['batch']} T{row['length']} |"
             f" {row['ours_ms']:.3f} ms | {fla_ms} | {ratio} |")
     else:
       print(f"| decode step | B{row['batch']} context {row['context']} |"
@@ -258,6 +292,8 @@ def main(argv=None) -> int:
   parser.add_argument("--warmup-s", type=float, default=2.0,
                       help="seconds of our calls before each pairing (GPU clocks)")
   parser.add_argument("--sets", type=int, default=4, help="decode caches per timed call")
+  parser.add_argument("--sweep", action="store_true",
+                      help="time ours for each launch-parameter candidate of SWEEP (no FLA)")
   parser.add_argument("--json", help="also write the rows and parity lines here")
   args = parser.parse_args(argv)
   shape = SMOKE if args.smoke else Shape()
@@ -268,7 +304,7 @@ def main(argv=None) -> int:
   print(f"devices: {jax.devices()}, jax {jax.__version__}", flush=True)
   rows, lines = [], []
   steps = [("parity", lambda: lines.extend(parity(shape, args.fla)))] if args.parity else []
-  steps.append(("training", lambda: time_training(shape, args, rows)))
+  steps.append(("training", lambda: (sweep if args.sweep else time_training)(shape, args, rows)))
   if args.decode:
     steps.append(("decode", lambda: time_decode(shape, args, rows)))
   for name, run in steps:

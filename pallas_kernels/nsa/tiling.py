@@ -44,7 +44,9 @@ class NSABlockSizes:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if not isinstance(value, int) or isinstance(value, bool) or not is_power_of_two(value):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"NSABlockSizes.{field.name} must be a positive int, got {value!r}")
+      if not field.name.startswith("num_stages") and not is_power_of_two(value):
         raise ValueError(f"NSABlockSizes.{field.name} must be a power of two, got {value!r}")
     if self.cmp_bwd_queries_per_program < max(self.cmp_positions, self.cmp_bwd_positions):
       raise ValueError("NSABlockSizes.cmp_bwd_queries_per_program must be >= cmp_positions and"

@@ -132,6 +132,14 @@ def test_compressed_kernel_importance_matches_reference():
   np.testing.assert_allclose(importance[..., :num_blocks][finite], expected[finite], atol=1e-6)
 
 
+def test_block_sizes_are_validated():
+  assert NSABlockSizes(num_stages=3).num_stages == 3
+  for bad, message in ((dict(cmp_keys=48), "cmp_keys"), (dict(num_warps=0), "num_warps"),
+                       (dict(cmp_bwd_queries_per_program=2), "cmp_bwd_queries_per_program")):
+    with pytest.raises(ValueError, match=message):
+      NSABlockSizes(**bad)
+
+
 def test_select_top_blocks_matches_reference():
   rng = np.random.default_rng(4)
   batch, length, num_q_heads, num_kv_heads, num_blocks = 2, 90, 4, 2, 6
