@@ -3,7 +3,8 @@
 Launch: `interpret_mode` (Pallas interpret mode off the GPU, so CPU tests run the kernels' logic)
 and `triton_compiler_params` (the class name changed across JAX versions). Shapes: Triton wants
 power-of-two block dims, and `tl.dot` operands of at least `MIN_DOT_DIM` along every dim. In-kernel
-math: dots with float32 accumulation and the exp2 forms that lower to one PTX instruction.
+math: dots with float32 accumulation, the exp2 forms that lower to one PTX instruction, and the
+steps of an online softmax (flash attention) forward and backward shared by the attention kernels.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["LOG2_E", "MIN_DOT_DIM", "cdiv", "dot_nn", "dot_nt", "dot_tn", "exp2", "exp2_affine",
-           "interpret_mode", "is_power_of_two", "kernel_dot", "next_power_of_two", "round_up",
-           "triton_compiler_params", "triton_dot"]
+__all__ = ["LOG2_E", "MIN_DOT_DIM", "cdiv", "dkdv_step", "dot_nn", "dot_nt", "dot_tn", "dq_step",
+           "exp2", "exp2_affine", "interpret_mode", "is_power_of_two", "kernel_dot",
+           "merge_splits", "next_power_of_two", "probabilities", "round_up", "softmax_finish", "softmax_start",
+           "softmax_step", "triton_compiler_params", "triton_dot"]
 
 # Triton's tl.dot needs >= 16 along every dimension.
 MIN_DOT_DIM = 16
@@ -125,3 +127,80 @@ def _inline_asm(asm: str, *args):
   return pltriton.elementwise_inline_asm(
       asm, args=list(args), constraints=constraints, pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+
+
+# Online softmax (flash attention) over tiles of keys, in the log2 domain: scores are
+# qk * scale * log2(e) and exp2 replaces exp (what the GPU computes natively). The carry is
+# (acc [R, Dv], row max [R], row sum [R]), float32.
+
+
+def softmax_start(rows: int, value_dim: int):
+  """The carry before any key."""
+  return (jnp.zeros((rows, value_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_step(carry, qk_RC, v_CV, mask_RC, score_scale: float, interpret: bool):
+  """Adds one tile of C keys: qk_RC raw scores q k^T, v_CV their values, mask_RC None when
+  every score of the tile is visible; score_scale = scale * log2(e)."""
+  acc, row_max, row_sum = carry
+  if mask_RC is not None:
+    qk_RC = jnp.where(mask_RC, qk_RC, -jnp.inf)
+  # The scale is applied to the row maxima and inside exp2's argument (scale > 0, so
+  # max(qk) * scale = max(qk * scale)), where exp2_affine makes qk * scale - shift one fused
+  # multiply-add per score: written in jnp it stayed a multiply and a subtract.
+  new_max = jnp.maximum(row_max, jnp.max(qk_RC, axis=1) * score_scale)
+  # A row that has seen no visible key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
+  shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if mask_RC is not None else new_max
+  correction = exp2(row_max - shift, interpret)
+  p = exp2_affine(qk_RC, score_scale, -shift, interpret)
+  row_sum = row_sum * correction + jnp.sum(p, axis=1)
+  acc = acc * correction[:, None] + dot_nn(p.astype(v_CV.dtype), v_CV)
+  return acc, new_max, row_sum
+
+
+def softmax_finish(carry):
+  """(o [R, Dv] float32, lse2 [R]: the log2 of each row's softmax denominator in the scaled log2
+  domain); a row that saw no visible key gets o = 0 (the references' convention) and lse2 = 0."""
+  acc, row_max, row_sum = carry
+  empty = row_sum == 0.0
+  # One reciprocal per row and a multiply per element, not a division per element.
+  o = acc * (1.0 / jnp.where(empty, 1.0, row_sum))[:, None]
+  return o, jnp.where(empty, 0.0, row_max + jnp.log2(jnp.where(empty, 1.0, row_sum)))
+
+
+def probabilities(qk_RC, score_scale: float, lse2_R, mask_RC, interpret: bool):
+  """Softmax weights exp2(qk * scale - lse2) from the forward's lse2, 0 where mask_RC is False."""
+  # qk * scale - lse is one fused multiply-add per score; the mask then selects.
+  p = exp2_affine(qk_RC, score_scale, -lse2_R, interpret)
+  return p if mask_RC is None else jnp.where(mask_RC, p, 0.0)
+
+
+def dq_step(dq_RD, p_RC, do_RV, k_CD, v_CV, delta_R):
+  """dq += ds k with ds = p (do v^T - delta): one key tile's part of the query gradient (before
+  the final multiplication by the scale); delta_R = sum(o * do) per row."""
+  ds = p_RC * (dot_nt(do_RV, v_CV) - delta_R[:, None])
+  return dq_RD + dot_nn(ds.astype(k_CD.dtype), k_CD)
+
+
+def dkdv_step(dk_CD, dv_CV, p_RC, q_RD, do_RV, v_CV, delta_R):
+  """dv += p^T do, dk += ds^T q: one query tile's part of the key and value gradients (dk before
+  the final multiplication by the scale)."""
+  dv_CV = dv_CV + dot_tn(p_RC.astype(do_RV.dtype), do_RV)
+  ds = p_RC * (dot_nt(do_RV, v_CV) - delta_R[:, None])
+  return dk_CD + dot_tn(ds.astype(q_RD.dtype), q_RD), dv_CV
+
+
+def merge_splits(out_BSHV, max_BSH, sum_BSH, *, base2: bool):
+  """Merges the partial softmaxes of a key axis split S ways (XLA, after a split-K kernel): each
+  split's unnormalised output, row maximum (finite: a split that saw no key holds a very negative
+  one) and row sum, in the exp domain (base2=False) or the exp2 one. Returns (out [B, H, V]
+  float32, zero for a row that saw no key; the rows' log-sum-exp [B, H] in the same base, -inf for
+  a row that saw no key)."""
+  exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
+  total_max_BH = jnp.max(max_BSH, axis=1)
+  weight_BSH = exp(max_BSH - total_max_BH[:, None])
+  total_sum_BH = jnp.sum(weight_BSH * sum_BSH, axis=1)
+  out_BHV = jnp.sum(weight_BSH[..., None] * out_BSHV, axis=1)
+  return (out_BHV / jnp.where(total_sum_BH > 0, total_sum_BH, 1.0)[..., None],
+          total_max_BH + log(total_sum_BH))

@@ -1,7 +1,8 @@
 """Train-step throughput, MFU, memory and compile time of the trainer's jitted step, per preset.
 
-    python tools/bench_train.py                          # lalte/gdn_swa/gdn_attn-0.4b, T=4096
+    python tools/bench_train.py                # lalte/lansa/nsa/gdn_swa/gdn_attn-0.4b, T=4096
     python tools/bench_train.py --presets lalte-1.4b --batch 2 --remat block   # does it fit?
+    python tools/bench_train.py --presets lansa-1.4b --batch 1                 # laNSA at 1.4b
     python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
 
 The step is the one `python -m lalte_jax.train` runs: `lalte_jax.train.trainer.Trainer` builds it (AdamW, float32
@@ -49,7 +50,7 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # run as a script from a checkout
   sys.path.insert(0, str(_REPO_ROOT))
 
-DEFAULT_PRESETS = ("lalte-0.4b", "gdn_swa-0.4b", "gdn_attn-0.4b")
+DEFAULT_PRESETS = ("lalte-0.4b", "lansa-0.4b", "nsa-0.4b", "gdn_swa-0.4b", "gdn_attn-0.4b")
 RESULT_PREFIX = "BENCH_RESULT "
 
 

@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.pallas_common import (
-    MIN_DOT_DIM, interpret_mode, is_power_of_two, triton_compiler_params, triton_dot)
+    MIN_DOT_DIM, interpret_mode, is_power_of_two, merge_splits, triton_compiler_params,
+    triton_dot)
 
 # Running max before any visible slot: finite, so exp(m_old - m_new) stays 1 instead of NaN while
 # a program has seen only masked slots, and exp(-inf - m) = 0 for the masked scores.
@@ -179,15 +180,6 @@ def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, heads_per
       plgpu.store(sum_ref.at[row, split, pl.ds(first_head, group_pad)], sum_G, mask=row_ok_G)
 
 
-def _combine(out_BSHV, max_BSH, sum_BSH, dtype):
-  """Merges the splits' partial softmaxes: weights exp(m_s - max_s m_s)."""
-  total_max_BH = jnp.max(max_BSH, axis=1)
-  weight_BSH = jnp.exp(max_BSH - total_max_BH[:, None])
-  total_sum_BH = jnp.sum(weight_BSH * sum_BSH, axis=1)
-  out_BHV = jnp.sum(weight_BSH[..., None] * out_BSHV, axis=1)
-  return (out_BHV / jnp.where(total_sum_BH > 0, total_sum_BH, 1.0)[..., None]).astype(dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes"))
 def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key_valid=None,
                      block_sizes: DecodeBlockSizes = DecodeBlockSizes()):
@@ -237,4 +229,4 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
   )(*operands)
   if final:
     return result
-  return _combine(*result, q_BHD.dtype)
+  return merge_splits(*result, base2=False)[0].astype(q_BHD.dtype)

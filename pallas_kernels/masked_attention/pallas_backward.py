@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.masked_attention.tiling import (
     BlockSizes, Problem, kept_mask, query_tiles_of_key_tile, window_mask)
 from pallas_kernels.pallas_common import (
-    LOG2_E, cdiv, dot_nt, dot_tn, exp2_affine, triton_compiler_params)
+    LOG2_E, cdiv, dkdv_step, dot_nt, probabilities, triton_compiler_params)
 
 
 def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head, carry, q_tile,
@@ -32,15 +32,12 @@ def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head,
   q_slice = pl.ds(q_tile * block_q, block_q)
   q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
   lse, delta = lse_ref[head, q_slice], delta_ref[head, q_slice]
-  # qk * scale - lse is one fused multiply-add per score; the mask then selects (see the forward).
-  p = exp2_affine(dot_nt(q, k), problem.scale * LOG2_E, -lse, problem.interpret)
+  mask = None
   if mask_fn is not None:
     query_pos = problem.query_offset + q_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    p = jnp.where(mask_fn(query_pos), p, 0.0)
-  dv = dv + dot_tn(p.astype(do.dtype), do)
-  ds = p * (dot_nt(do, v) - delta[:, None])
-  dk = dk + dot_tn(ds.astype(q.dtype), q)
-  return dk, dv
+    mask = mask_fn(query_pos)
+  p = probabilities(dot_nt(q, k), problem.scale * LOG2_E, lse, mask, problem.interpret)
+  return dkdv_step(dk, dv, p, q, do, v, delta)
 
 
 def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):

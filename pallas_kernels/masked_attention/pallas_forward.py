@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.masked_attention.tiling import (
     BlockSizes, Problem, kept_mask, key_tiles_of_query_tile, window_mask)
 from pallas_kernels.pallas_common import (
-    LOG2_E, cdiv, dot_nn, dot_nt, exp2, exp2_affine, triton_compiler_params)
+    LOG2_E, cdiv, dot_nt, dq_step, probabilities, softmax_finish, softmax_start, softmax_step,
+    triton_compiler_params)
 
 
 def _unpack(refs, problem: Problem, num_extra_inputs: int):
@@ -84,34 +85,14 @@ def _forward_kernel(*refs, problem: Problem, block_q: int, block_k: int, with_ls
   value_dim = v_ref.shape[-1]
   q = q_ref[...]
   score_scale = problem.scale * LOG2_E
-
-  def visit(carry, k, v, mask):
-    acc, row_max, row_sum = carry
-    qk = dot_nt(q, k)
-    if mask is not None:
-      qk = jnp.where(mask, qk, -jnp.inf)
-    # The scale is applied to the row maxima and inside exp2's argument (scale > 0, so
-    # max(qk) * scale = max(qk * scale)), where exp2_affine makes qk * scale - shift one fused
-    # multiply-add per score: written in jnp it stayed a multiply and a subtract.
-    new_max = jnp.maximum(row_max, jnp.max(qk, axis=1) * score_scale)
-    # A row that has seen no visible key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN.
-    shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if mask is not None else new_max
-    correction = exp2(row_max - shift, problem.interpret)
-    p = exp2_affine(qk, score_scale, -shift, problem.interpret)
-    row_sum = row_sum * correction + jnp.sum(p, axis=1)
-    acc = acc * correction[:, None] + dot_nn(p.astype(v.dtype), v)
-    return acc, new_max, row_sum
-
-  carry = (jnp.zeros((block_q, value_dim), jnp.float32),
-           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  acc, row_max, row_sum = _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref,
-                                       key_valid_ref, kept_refs, visit, carry)
-  empty = row_sum == 0.0  # no visible key: output 0 (the reference's convention)
-  # One reciprocal per row and a multiply per element, not a division per element.
-  out_refs[0][...] = (acc * (1.0 / jnp.where(empty, 1.0, row_sum))[:, None]).astype(
-      out_refs[0].dtype)
+  visit = lambda carry, k, v, mask: softmax_step(carry, dot_nt(q, k), v, mask, score_scale,
+                                                 problem.interpret)
+  carry = _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref, kept_refs,
+                       visit, softmax_start(block_q, value_dim))
+  o, lse = softmax_finish(carry)
+  out_refs[0][...] = o.astype(out_refs[0].dtype)
   if with_lse:  # training only: inference (prefill) never reads it, so it is not written there
-    out_refs[1][...] = jnp.where(empty, 0.0, row_max + jnp.log2(jnp.where(empty, 1.0, row_sum)))
+    out_refs[1][...] = lse
 
 
 def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
@@ -129,11 +110,8 @@ def _dq_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   score_scale = problem.scale * LOG2_E
 
   def visit(dq, k, v, mask):
-    p = exp2_affine(dot_nt(q, k), score_scale, -lse, problem.interpret)
-    if mask is not None:
-      p = jnp.where(mask, p, 0.0)
-    ds = p * (dot_nt(do, v) - delta[:, None])
-    return dq + dot_nn(ds.astype(k.dtype), k)
+    p = probabilities(dot_nt(q, k), score_scale, lse, mask, problem.interpret)
+    return dq_step(dq, p, do, k, v, delta)
 
   dq = _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref, kept_refs,
                     visit, jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32))

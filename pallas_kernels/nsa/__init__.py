@@ -1,8 +1,12 @@
 """Native sparse attention (compressed + selected + sliding-window branches) as used by NSA and
 laNSA layers (§6).
 
-Public entry: `nsa_attention`. The branch helpers (`compress`, `compressed_attention`,
-`select_blocks`, `selected_attention`) live in `pallas_kernels.nsa.reference`.
+Public entries: `nsa_attention` (training, prefill) and, for decoding against a cache,
+`nsa_decode_attention` with the cache updates `compress_prompt` and `append_token` (decode.py).
+The branch helpers (`compress`, `compressed_attention`, `select_blocks`, `selected_attention`)
+live in `pallas_kernels.nsa.reference`; the kernels in pallas_compressed.py (compressed branch and
+block importance), selection.py (top-n, XLA), pallas_selected.py (selected blocks) and
+pallas_decode.py; the window branch is masked_attention's.
 """
 
 from __future__ import annotations
@@ -13,12 +17,18 @@ import jax
 
 from pallas_kernels.attention_checks import check_positive_int, check_qkv
 from pallas_kernels.dispatch import Implementation, resolve
-from pallas_kernels.nsa import reference
+from pallas_kernels.nsa import pallas, reference
+from pallas_kernels.nsa.decode import (
+    append_token, cache_length, compress_prompt, compressed_blocks, nsa_decode_attention)
+from pallas_kernels.nsa.tiling import NSABlockSizes
 
-__all__ = ["nsa_attention"]
+__all__ = ["nsa_attention", "nsa_decode_attention", "append_token", "compress_prompt",
+           "cache_length", "compressed_blocks", "NSABlockSizes"]
 
-# What implementation=None runs on a GPU: only the reference exists so far.
-GPU_DEFAULT = ("xla",)
+# What implementation=None runs on a GPU: the Pallas kernels; inputs they cannot tile (fewer than
+# 16 query heads per KV head, head dims or block sizes that are not powers of two >= 16) go to
+# "xla".
+GPU_DEFAULT = ("pallas", "xla")
 
 
 def _check_arguments(q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size, block_count, window_size):
@@ -63,13 +73,15 @@ def nsa_attention(
     block_count: selected blocks per (query, KV head), forced ones included (16).
     window_size: keys in the sliding window, the current one included (512).
     scale: score multiplier of every branch, default D**-0.5.
-    implementation: see `pallas_kernels.dispatch.resolve`; only "xla" exists.
+    implementation: see `pallas_kernels.dispatch`: "xla" (dense reference) or "pallas" (the
+      kernels of pallas.py); None: GPU_DEFAULT on a GPU, "xla" elsewhere.
 
   Returns:
     [B, T_q, Hq, Dv] in q's dtype (branches are combined in float32, float64 for float64 inputs).
   """
   _check_arguments(q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size, block_count, window_size)
-  version = resolve("nsa_attention", implementation, {"xla": reference.nsa_attention},
+  version = resolve("nsa_attention", implementation,
+                    {"xla": reference.nsa_attention, "pallas": pallas.nsa_attention},
                     gpu_default=GPU_DEFAULT)
   return version(
       q_BTHD, k_BTKD, v_BTKD, gates_BTH3, block_size=block_size, block_count=block_count,

@@ -80,6 +80,36 @@ def compressed_attention(
   return out_BTHD, probs_BTHN
 
 
+def block_importance(
+    probs_BTHN: jax.Array,
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    position_BT: jax.Array,
+) -> jax.Array:
+  """float [B, T, Hkv, NB]: how much each (query, KV head) wants each key block.
+
+  probs_BTHN: compressed-attention probabilities from `compressed_attention`; position_BT: the
+  queries' positions t, broadcastable to [B, T]. Per the module docstring: the sum over the
+  group's query heads of the probability of complete earlier blocks c < IC = floor(t /
+  block_size), 1 per head for the forced blocks 0, IC - 1 and IC, and -inf for blocks > IC (never
+  selected). Carries no gradient.
+  """
+  batch, query_len, num_q_heads, num_blocks = probs_BTHN.shape
+  group = num_q_heads // num_kv_heads
+  current_BT1 = jnp.broadcast_to(position_BT, (batch, query_len))[..., None] // block_size
+  block_N = jnp.arange(num_blocks)
+  forced_BTN = (block_N == 0) | (block_N == current_BT1 - 1) | (block_N == current_BT1)
+  earlier_BTN = block_N < current_BT1
+  # Selection is piecewise constant in the inputs: no gradient flows through importance.
+  probs_BTHN = jax.lax.stop_gradient(probs_BTHN)
+  per_head_BTHN = jnp.where(
+      forced_BTN[:, :, None], 1.0, jnp.where(earlier_BTN[:, :, None], probs_BTHN, 0.0))
+  importance_BTKN = per_head_BTHN.reshape(
+      batch, query_len, num_kv_heads, group, num_blocks).sum(axis=3)
+  return jnp.where((block_N <= current_BT1)[:, :, None], importance_BTKN, -jnp.inf)
+
+
 def select_blocks(
     probs_BTHN: jax.Array,
     *,
@@ -92,28 +122,17 @@ def select_blocks(
 
   probs_BTHN [B, T, Hq, NB]: compressed-attention probabilities from `compressed_attention`.
   Returns bool [B, T, Hkv, NB]: per the module docstring, the `block_count` most important valid
-  blocks, blocks 0, IC - 1 and IC forced, blocks > IC never selected.
+  blocks (`block_importance`), blocks 0, IC - 1 and IC forced, blocks > IC never selected.
   """
-  batch, query_len, num_q_heads, num_blocks = probs_BTHN.shape
-  group = num_q_heads // num_kv_heads
-  current_block_T = (query_offset + jnp.arange(query_len)) // block_size
-  block_N = jnp.arange(num_blocks)
-  current_TN = current_block_T[:, None]
-  forced_TN = (block_N == 0) | (block_N == current_TN - 1) | (block_N == current_TN)
-  earlier_TN = block_N < current_TN
-  # Selection is piecewise constant in the inputs: no gradient flows through importance.
-  probs_BTHN = jax.lax.stop_gradient(probs_BTHN)
-  per_head_BTHN = jnp.where(
-      forced_TN[:, None], 1.0, jnp.where(earlier_TN[:, None], probs_BTHN, 0.0))
-  importance_BTKN = per_head_BTHN.reshape(
-      batch, query_len, num_kv_heads, group, num_blocks).sum(axis=3)
-  valid_TN = block_N <= current_TN
-  importance_BTKN = jnp.where(valid_TN[:, None], importance_BTKN, -jnp.inf)
+  query_len, num_blocks = probs_BTHN.shape[1], probs_BTHN.shape[3]
+  importance_BTKN = block_importance(
+      probs_BTHN, num_kv_heads=num_kv_heads, block_size=block_size,
+      position_BT=(query_offset + jnp.arange(query_len))[None])
   # top_k puts the lower index first among equal values, which is the documented tie rule.
   top_importance_BTKC, top_block_BTKC = jax.lax.top_k(
       importance_BTKN, min(block_count, num_blocks))
   # With fewer valid blocks than block_count, top_k also returns invalid (-inf) ones: drop them.
-  chosen_BTKCN = ((top_block_BTKC[..., None] == block_N)
+  chosen_BTKCN = ((top_block_BTKC[..., None] == jnp.arange(num_blocks))
                   & jnp.isfinite(top_importance_BTKC)[..., None])
   return jnp.any(chosen_BTKCN, axis=-2)
 
@@ -178,7 +197,56 @@ def nsa_attention(
   o_swa_BTHD = attention_with_mask(
       q_BTHD, k_BTKD, v_BTKD, attention_mask(query_len, key_len, window_size=window_size),
       scale=scale)
-  gates_BTH3 = gates_BTH3.astype(o_cmp_BTHD.dtype)
+  return gated_sum(gates_BTH3, o_cmp_BTHD, o_slc_BTHD, o_swa_BTHD).astype(q_BTHD.dtype)
+
+
+def gated_sum(gates_BTH3: jax.Array, o_cmp_BTHD: jax.Array, o_slc_BTHD: jax.Array,
+              o_swa_BTHD: jax.Array) -> jax.Array:
+  """g_slc o_slc + g_cmp o_cmp + g_swa o_swa, gates ordered [cmp, slc, swa] on the last axis;
+  in the branches' dtype, promoted with the gates'."""
   g_cmp_BTH1, g_slc_BTH1, g_swa_BTH1 = (gates_BTH3[..., i:i + 1] for i in range(3))
-  out_BTHD = g_slc_BTH1 * o_slc_BTHD + g_cmp_BTH1 * o_cmp_BTHD + g_swa_BTH1 * o_swa_BTHD
-  return out_BTHD.astype(q_BTHD.dtype)
+  return g_slc_BTH1 * o_slc_BTHD + g_cmp_BTH1 * o_cmp_BTHD + g_swa_BTH1 * o_swa_BTHD
+
+
+def decode_attention(
+    q_BHD: jax.Array,
+    gates_BH3: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    k_cmp_BNKD: jax.Array,
+    v_cmp_BNKD: jax.Array,
+    position_B: jax.Array,
+    *,
+    block_size: int,
+    block_count: int,
+    window_size: int,
+    scale: float | None = None,
+) -> jax.Array:
+  """NSA output [B, Hq, Dv] (q's dtype) of one query per row against a cache (decoding).
+
+  Row b's query sits at position t = position_B[b] and sees cache slots 0..t (its own key
+  included); slots after t may hold anything finite. k_cmp/v_cmp [B, N, Hkv, D] hold the mean of
+  every complete block of the cache (N >= S / block_size), so nothing is pooled again here; the
+  branches are the full sequence's at position t.
+  """
+  if scale is None:
+    scale = q_BHD.shape[-1] ** -0.5
+  num_kv_heads = k_BSKD.shape[2]
+
+  def one_row(q_HD, gates_H3, k_SKD, v_SKD, k_cmp_NKD, v_cmp_NKD, t):
+    q_11HD, k_1SKD, v_1SKD = q_HD[None, None], k_SKD[None], v_SKD[None]
+    o_cmp, probs = compressed_attention(q_11HD, k_cmp_NKD[None], v_cmp_NKD[None],
+                                        block_size=block_size, scale=scale, query_offset=t)
+    block_mask = select_blocks(probs, num_kv_heads=num_kv_heads, block_size=block_size,
+                               block_count=block_count, query_offset=t)
+    o_slc = selected_attention(q_11HD, k_1SKD, v_1SKD, block_mask, block_size=block_size,
+                               scale=scale, query_offset=t)
+    key_S = jnp.arange(k_SKD.shape[0])
+    in_window_S = (key_S <= t) & (t - key_S < window_size)
+    o_swa = attention_with_mask(q_11HD, k_1SKD, v_1SKD, in_window_S[None, None, None, :],
+                                scale=scale)
+    return gated_sum(gates_H3.astype(o_cmp.dtype)[None, None], o_cmp, o_slc, o_swa)[0, 0]
+
+  out_BHD = jax.vmap(one_row)(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD,
+                              position_B)
+  return out_BHD.astype(q_BHD.dtype)

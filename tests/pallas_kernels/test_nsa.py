@@ -244,37 +244,3 @@ def test_bfloat16_within_tolerance():
                       block_size=BLOCK_SIZE, block_count=4, window_size=WINDOW_SIZE)
   assert out.dtype == jnp.bfloat16
   assert_close(out, _nsa(jnp.float64, q, k, v, gates, block_count=4), jnp.bfloat16)
-
-
-def test_pallas_not_implemented():
-  q, k, v, gates = (jnp.asarray(x, jnp.float32) for x in _inputs(11, seq_len=16))
-  with pytest.raises(NotImplementedError):
-    nsa_attention(q, k, v, gates, block_size=8, block_count=2, window_size=4,
-                  implementation="pallas")
-
-
-BAD_ARGUMENTS = {
-    "heads": (dict(num_q_heads=3), {}, "heads"),
-    "gates_shape": (dict(), dict(gates_last=2), "gates_BTH3"),
-    "T_q_gt_T_k": (dict(), dict(longer_q=True), "T=16"),
-    "block_size": (dict(), dict(block_size=0), "block_size"),
-    "block_count": (dict(), dict(block_count=-1), "block_count"),
-    "window_size": (dict(), dict(window_size=0), "window_size"),
-    "head_dim": (dict(), dict(k_dim=4), "head dim"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
-def test_bad_arguments_raise_value_error(case):
-  shape_args, overrides, message = BAD_ARGUMENTS[case]
-  q, k, v, gates = _inputs(12, seq_len=16, **shape_args)
-  if "gates_last" in overrides:
-    gates = gates[..., :overrides["gates_last"]]
-  if overrides.get("longer_q"):
-    k, v = k[:, :8], v[:, :8]
-  if overrides.get("k_dim"):
-    k = k[..., :overrides["k_dim"]]
-  sizes = dict(block_size=8, block_count=2, window_size=4)
-  sizes.update({name: value for name, value in overrides.items() if name in sizes})
-  with pytest.raises(ValueError, match=message):
-    nsa_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, gates)), **sizes)

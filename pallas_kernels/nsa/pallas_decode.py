@@ -1,0 +1,212 @@
+"""`implementation="pallas"` of NSA decoding: one query per batch row against the caches.
+
+    o_cmp, scores = compressed attention at each row's position, split-K   (first kernel below)
+    selection = top block_count of the importance from the scores          (XLA, small)
+    o_slc, o_swa = the selected blocks and the window, split-K             (second kernel below)
+    o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa                            (XLA)
+
+The compressed keys come from the compressed cache (a block is pooled once, when it completes),
+so a step reads the complete blocks' means, the block_count selected blocks and the window, and
+nothing else of the cache. Both kernels run a program per (batch row, KV head, split) whose rows
+are the KV head's G query heads (each tile is read once for the group); split s takes every
+`decode_splits`-th tile of compressed keys, or selected block and window tile, so that a batch of
+32 rows still keeps every core busy. The splits' partial softmaxes are merged in XLA; the first
+kernel also writes each head's compressed scores, from which XLA forms the block importance
+(`reference.block_importance`, [B, Hq, N] numbers per step) for the top-n.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.nsa import reference, selection
+from pallas_kernels.nsa.tiling import NSABlockSizes, Problem, check_supported
+from pallas_kernels.pallas_common import (
+    cdiv, dot_nt, interpret_mode, merge_splits, softmax_start, softmax_step,
+    triton_compiler_params)
+
+# The row maximum written for a split that saw no key: finite, so that merging gives it weight 0
+# (exp2 of a very negative number) instead of NaN.
+EMPTY_MAX = -1e30
+
+
+def _write_partial(carry, o_ref, max_ref, sum_ref):
+  acc, row_max, row_sum = carry
+  o_ref[...] = acc
+  max_ref[...] = jnp.where(row_sum > 0, row_max, EMPTY_MAX)
+  sum_ref[...] = row_sum
+
+
+def _strided_loop(count, split, splits: int, body, carry):
+  """body(i, carry) for split `split`'s share i = 0, 1, ... of `count` units (unit split + i *
+  splits)."""
+  return lax.fori_loop(0, cdiv(jnp.maximum(count - split, 0), splits), body, carry)
+
+
+def _compressed_kernel(position_ref, q_ref, kc_ref, vc_ref, o_ref, max_ref, sum_ref, scores_ref,
+                       *, problem: Problem, splits: int, block_c: int):
+  complete = (position_ref[0] + 1) // problem.block_size  # blocks c < complete are visible
+  split = pl.program_id(2)
+  q = q_ref[...]
+
+  def tile(i, carry):
+    start = (split + i * splits) * block_c
+    c_slice = pl.ds(start, block_c)
+    qk = dot_nt(q, kc_ref[c_slice, :])
+    visible = (start + jnp.arange(block_c, dtype=jnp.int32) < complete)[None, :]
+    scores_ref[:, c_slice] = jnp.where(visible, qk * problem.score_scale, -jnp.inf)
+    return softmax_step(carry, qk, vc_ref[c_slice, :], visible, problem.score_scale,
+                        problem.interpret)
+
+  carry = _strided_loop(cdiv(complete, block_c), split, splits, tile,
+                        softmax_start(problem.group, vc_ref.shape[-1]))
+  _write_partial(carry, o_ref, max_ref, sum_ref)
+
+
+def _selected_window_kernel(position_ref, idx_ref, count_ref, q_ref, k_ref, v_ref, o_slc_ref,
+                            max_slc_ref, sum_slc_ref, o_swa_ref, max_swa_ref, sum_swa_ref, *,
+                            problem: Problem, window_size: int, splits: int):
+  position = position_ref[0]
+  split = pl.program_id(2)
+  size = problem.block_size
+  q = q_ref[...]
+
+  def attend(carry, start, visible_C):
+    keys = pl.ds(start, size)
+    return softmax_step(carry, dot_nt(q, k_ref[keys, :]), v_ref[keys, :], visible_C[None, :],
+                        problem.score_scale, problem.interpret)
+
+  def selected(i, carry):
+    start = idx_ref[split + i * splits] * size
+    return attend(carry, start, start + jnp.arange(size, dtype=jnp.int32) <= position)
+
+  first_tile = jnp.maximum(position - window_size + 1, 0) // size
+
+  def window(i, carry):
+    start = (first_tile + split + i * splits) * size
+    key_pos = start + jnp.arange(size, dtype=jnp.int32)
+    return attend(carry, start, (key_pos <= position) & (key_pos > position - window_size))
+
+  start_carry = softmax_start(problem.group, v_ref.shape[-1])
+  _write_partial(_strided_loop(count_ref[0], split, splits, selected, start_carry),
+                 o_slc_ref, max_slc_ref, sum_slc_ref)
+  _write_partial(
+      _strided_loop(position // size - first_tile + 1, split, splits, window, start_carry),
+      o_swa_ref, max_swa_ref, sum_swa_ref)
+
+
+def _partial_specs(problem: Problem, splits: int, batch: int, value_dim: int):
+  """Out specs and shapes of one branch's split partials: acc [B, splits, Hq, Dv], max, sum."""
+  group, num_q_heads = problem.group, problem.num_q_heads
+  specs = [pl.BlockSpec((None, None, group, value_dim), lambda b, h, s: (b, s, h, 0)),
+           pl.BlockSpec((None, None, group), lambda b, h, s: (b, s, h)),
+           pl.BlockSpec((None, None, group), lambda b, h, s: (b, s, h))]
+  shapes = [jax.ShapeDtypeStruct((batch, splits, num_q_heads, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32)]
+  return specs, shapes
+
+
+def _call(problem: Problem, blocks: NSABlockSizes, kernel, name: str, *, in_specs, out_specs,
+          out_shape):
+  """A pallas_call on the grid (batch row, KV head, split)."""
+  batch = out_shape[0].shape[0]
+  return pl.pallas_call(
+      kernel, grid=(batch, problem.num_kv_heads, blocks.decode_splits), in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=triton_compiler_params(blocks.num_warps, blocks.num_stages),
+      interpret=problem.interpret, name=name)
+
+
+def _compressed(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_BNKD, v_cmp_BNKD,
+                position_B):
+  """(o_cmp [B, Hq, Dv] float32, block importance [B, 1, Hkv, N])."""
+  batch, num_q_heads, head_dim = q_BHD.shape
+  group, num_blocks, value_dim = problem.group, k_cmp_BNKD.shape[1], v_cmp_BNKD.shape[-1]
+  splits = blocks.decode_splits
+  keys = pl.BlockSpec((None, num_blocks, None, head_dim), lambda b, h, s: (b, 0, h, 0))
+  specs, shapes = _partial_specs(problem, splits, batch, value_dim)
+  *partials, scores_BHN = _call(
+      problem, blocks,
+      functools.partial(_compressed_kernel, problem=problem, splits=splits,
+                        block_c=blocks.cmp_keys),
+      "nsa_decode_compressed",
+      in_specs=[pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((None, group, head_dim), lambda b, h, s: (b, h, 0)), keys, keys],
+      out_specs=specs + [pl.BlockSpec((None, group, num_blocks), lambda b, h, s: (b, h, 0))],
+      out_shape=shapes + [jax.ShapeDtypeStruct((batch, num_q_heads, num_blocks), jnp.float32)],
+  )(position_B, q_BHD, k_cmp_BNKD, v_cmp_BNKD)
+  o_cmp_BHD, lse_BH = merge_splits(*partials, base2=True)
+  # Blocks past the complete ones were not written (their scores are garbage): select them away.
+  complete_B11 = ((position_B + 1) // problem.block_size)[:, None, None]
+  probs_BHN = jnp.where(jnp.arange(num_blocks) < complete_B11,
+                        jnp.exp2(scores_BHN - lse_BH[..., None]), 0.0)
+  importance_B1KN = reference.block_importance(
+      probs_BHN[:, None], num_kv_heads=problem.num_kv_heads, block_size=problem.block_size,
+      position_BT=position_B[:, None])
+  return o_cmp_BHD, importance_B1KN
+
+
+def _selected_and_window(problem: Problem, blocks: NSABlockSizes, q_BHD, k_BSKD, v_BSKD,
+                         indices_BKS, counts_BK, position_B, window_size: int):
+  """(o_slc, o_swa) [B, Hq, Dv] float32, merged over the splits."""
+  batch, _, head_dim = q_BHD.shape
+  num_kv_heads, splits = problem.num_kv_heads, blocks.decode_splits
+  keys = pl.BlockSpec((None, k_BSKD.shape[1], None, head_dim), lambda b, h, s: (b, 0, h, 0))
+  specs, shapes = _partial_specs(problem, splits, batch, v_BSKD.shape[-1])
+  partials = _call(
+      problem, blocks,
+      functools.partial(_selected_window_kernel, problem=problem, window_size=window_size,
+                        splits=splits),
+      "nsa_decode_selected_window",
+      in_specs=[pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((None, None, indices_BKS.shape[-1]), lambda b, h, s: (b, h, 0)),
+                pl.BlockSpec((1,), lambda b, h, s: (b * num_kv_heads + h,)),
+                pl.BlockSpec((None, problem.group, head_dim), lambda b, h, s: (b, h, 0)),
+                keys, keys],
+      out_specs=specs * 2, out_shape=shapes * 2,
+  )(position_B, indices_BKS, counts_BK.reshape(-1), q_BHD, k_BSKD, v_BSKD)
+  return (merge_splits(*partials[:3], base2=True)[0],
+          merge_splits(*partials[3:], base2=True)[0])
+
+
+def decode_attention(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, position_B, *,
+                     block_size: int, block_count: int, window_size: int,
+                     scale: float | None = None, block_sizes: NSABlockSizes = NSABlockSizes(),
+                     interpret: bool | None = None):
+  """Same contract as `reference.decode_attention`, for caches whose length is a multiple of
+  block_size and compressed caches whose block count is a multiple of block_sizes.cmp_keys
+  (`decode.compressed_blocks`)."""
+  if interpret is None:
+    interpret = interpret_mode()
+  check_supported(q_BHD.shape[:1] + (1,) + q_BHD.shape[1:], v_BSKD.shape, q_BHD.dtype,
+                  block_size=block_size, blocks=block_sizes, interpret=interpret)
+  batch, num_q_heads, head_dim = q_BHD.shape
+  cache_len, num_kv_heads = k_BSKD.shape[1], k_BSKD.shape[2]
+  num_blocks = k_cmp_BNKD.shape[1]
+  if cache_len % block_size or num_blocks % block_sizes.cmp_keys:
+    raise NotImplementedError(
+        f"nsa_decode_attention[pallas]: cache length {cache_len} must be a multiple of"
+        f" block_size {block_size} and compressed blocks {num_blocks} of"
+        f" {block_sizes.cmp_keys} (decode.compressed_blocks)")
+  if scale is None:
+    scale = head_dim ** -0.5
+  problem = Problem(
+      query_len=1, key_len=cache_len, padded_query_len=1, padded_key_len=cache_len,
+      num_blocks_padded=num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+      head_dim=head_dim, block_size=block_size, block_count=block_count, scale=float(scale),
+      interpret=interpret)
+  position_B = position_B.astype(jnp.int32)
+  o_cmp_BHD, importance_B1KN = _compressed(problem, block_sizes, q_BHD, k_cmp_BNKD, v_cmp_BNKD,
+                                           position_B)
+  indices_B1KS, counts_B1K = selection.select_top_blocks(importance_B1KN, block_count)
+  o_slc_BHD, o_swa_BHD = _selected_and_window(
+      problem, block_sizes, q_BHD, k_BSKD, v_BSKD, indices_B1KS[:, 0], counts_B1K[:, 0],
+      position_B, window_size)
+  return reference.gated_sum(gates_BH3.astype(jnp.float32), o_cmp_BHD, o_slc_BHD,
+                             o_swa_BHD).astype(q_BHD.dtype)
