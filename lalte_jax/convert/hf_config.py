@@ -63,11 +63,11 @@ LTE_TRAINING_FIELDS = ("l1_lambda_init", "l1_lambda_min", "l1_lambda_max", "l1_a
 _COMMON_DEFAULTS = dict(vocab_size=32000, hidden_ratio=4, intermediate_size=None,
                         hidden_act="swish", norm_eps=1e-6, tie_word_embeddings=False,
                         hidden_size=2048, max_position_embeddings=2048, bos_token_id=1,
-                        eos_token_id=2, pad_token_id=None)
+                        eos_token_id=2, pad_token_id=None, attnres_block_size=None)
 _GDN_DEFAULTS = dict(attn_mode="chunk", expand_v=2, use_gate=True, use_short_conv=True,
                      conv_size=4, head_dim=256, num_heads=6, num_v_heads=None,
                      allow_neg_eigval=False, output_gate_activation="swish",
-                     attnres_block_size=None, num_hidden_layers=21, attn=None)
+                     num_hidden_layers=21, attn=None)
 _ATTENTION_DEFAULTS = dict(qkv_bias=False, qk_norm=False, window_size=None, rope_theta=10000.0,
                            elementwise_affine=True, num_hidden_layers=24)
 _DEFAULTS = {
@@ -230,7 +230,6 @@ def _gdn_config(f: _Fields, hidden: int) -> GDNConfig:
   f.require("use_short_conv", (True,), "our GDN layer always has the short convolutions")
   f.require("allow_neg_eigval", (False,), "our beta is sigmoid(b_proj x) in (0, 1)")
   f.require("output_gate_activation", ("swish", "silu"), "our output gate is SiLU")
-  f.require("attnres_block_size", (None,), "our blocks have plain residual connections")
   num_heads = f.integer("num_heads")
   num_v_heads = f.integer("num_v_heads", allow_none=True)
   if num_v_heads not in (None, num_heads):
@@ -273,6 +272,7 @@ def _model_config_from_hf(hf: dict, model_type: str, name: str, dtype: str
   if architectures is not None and architectures != [ARCHITECTURES[model_type]]:
     raise ValueError(f"config.json: architectures {architectures} is not supported (expected"
                      f" [{ARCHITECTURES[model_type]!r}]: the causal LM with its head)")
+  f.require("attnres_block_size", (None,), "our blocks have plain residual connections")
   carried = {key: f.get(key) for key in TOKEN_IDS}
   hidden = f.integer("hidden_size")
   num_layers = f.integer("num_hidden_layers")

@@ -46,3 +46,20 @@ def test_exported_paper_configs_read_back_as_the_presets(variant, size):
   config, carried = hf_config.model_config_from_hf(json.loads(json.dumps(hf)), name=preset.name)
   assert config == preset
   assert carried["bos_token_id"] == 1 and carried["eos_token_id"] == 2
+
+
+# Fields that FLA 0.6's config classes write besides ours (their defaults), and transformers 5's.
+FLA_06_FIELDS = {"fuse_linear_cross_entropy": False, "use_l2warp": False,
+                 "attnres_block_size": None, "dtype": "float32", "transformers_version": "5.17.0"}
+FLA_06_GDN_FIELDS = {"num_v_heads": None, "allow_neg_eigval": False,
+                     "output_gate_activation": "swish"}
+
+
+@pytest.mark.parametrize("variant", ["gdn_swa", "transformer", "nsa"])
+def test_configs_saved_by_fla_0_6_read_back(variant):
+  preset = get_model_config(f"{variant}-tiny")
+  hf = {**hf_config.hf_config_from_model(preset), **FLA_06_FIELDS}
+  if preset.gdn is not None:
+    hf.update(FLA_06_GDN_FIELDS)
+  config, _ = hf_config.model_config_from_hf(hf, name=preset.name)
+  assert config == preset
