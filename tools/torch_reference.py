@@ -14,7 +14,9 @@ into `<case>/hf`, and stores in `<case>/reference.npz`:
   logits_f32        [B, T, V] float32 forward without cache (LTE: the training-time layer, no cap)
   scores_f32        [L_lte, B, T - margin, Hkv] LTE router scores of that forward (sigmoid - 0.5)
   prefill_f32       [B, T, V] logits of the cached prefill (LTE: capped at b, §5.2)
-  kept_f32          [L_lte, B, T - margin, Hkv] the LTE prefill's kept out-of-window tokens
+  oow_scores_f32    [L_lte, B, b, Hkv] the LTE caches' out-of-window segments after the prefill
+                    (the kept tokens' scores in position order; sinks +inf, unused -inf)
+  oow_counts_f32    [L_lte, B, Hkv] their fill counts
   greedy_f32        [B, new_tokens] greedy tokens through the cached decoder
   logits_bf16       [B, T, V] the same forward as logits_f32 with the model cast to bfloat16
 
@@ -214,13 +216,25 @@ def randomize(model, seed: int) -> None:
       p.copy_(value.to(p.dtype))
 
 
-def lte_stats(output, key: int):
-  """[L_lte, B, T - margin, Hkv] float32 of the authors' LTE statistics (key 1 masks, 2 scores)."""
+def lte_scores(output):
+  """[L_lte, B, T - margin, Hkv] float32 router scores of the authors' LTE statistics, or None."""
   stat = getattr(output, "stat", None)
   if stat is None:
     return None
-  per_layer = stat[key]
-  return np.stack([per_layer[i].float().cpu().numpy() for i in sorted(per_layer)])
+  return np.stack([stat[2][i].float().cpu().numpy() for i in sorted(stat[2])])
+
+
+def lte_cache_segments(model, cache) -> dict:
+  """The out-of-window segment of every LTE layer's cache after the prefill (§5.1: scores in
+  position order, sinks +inf, unused -inf) and its fill counts."""
+  layers = [m for m in model.modules() if type(m).__name__ == "LTEAttention"]
+  if not layers:
+    return {}
+  window_keys = layers[0].window_size + 1
+  states = [cache.states[layer.layer_idx]["attn_state"] for layer in layers]
+  return {"oow_scores_f32": np.stack([s[2][:, window_keys:].float().cpu().numpy()
+                                      for s in states]),
+          "oow_counts_f32": np.stack([s[6].cpu().numpy() for s in states])}
 
 
 def log(case_dir: pathlib.Path, stage: str, start: float) -> None:
@@ -228,7 +242,8 @@ def log(case_dir: pathlib.Path, stage: str, start: float) -> None:
 
 
 def run_case(torch, family: str, case_dir: pathlib.Path) -> dict:
-  from transformers import AutoConfig, AutoModelForCausalLM  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from transformers import AutoConfig, AutoModelForCausalLM
   spec = json.loads((case_dir / "spec.json").read_text())
   timings = {}
   start = time.perf_counter()
@@ -258,14 +273,12 @@ def run_case(torch, family: str, case_dir: pathlib.Path) -> dict:
       lte.enforce_buffer_size = True
     out["logits_f32"] = forward.logits.float().cpu().numpy()
     log(case_dir, "float32 forward", start)
-    scores = lte_stats(forward, 2)
+    scores = lte_scores(forward)
     if scores is not None:
       out["scores_f32"] = scores
     prefill = model(input_ids=ids, use_cache=True)
     out["prefill_f32"] = prefill.logits.float().cpu().numpy()
-    kept = lte_stats(prefill, 1)
-    if kept is not None:
-      out["kept_f32"] = kept
+    out.update(lte_cache_segments(model, prefill.past_key_values))
     log(case_dir, "float32 prefill", start)
     cache, generated = prefill.past_key_values, []
     token = prefill.logits[:, -1].argmax(-1)

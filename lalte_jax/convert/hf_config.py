@@ -29,6 +29,7 @@ import numbers
 
 from lalte_jax.config import AttentionConfig, GDNConfig, LTEConfig, ModelConfig, NSAConfig
 from lalte_jax.presets import intermediate_size as default_intermediate_size
+from lalte_jax.train.lte_controller import ControllerConfig
 
 ARCHITECTURES = {"gated_deltanet": "GatedDeltaNetForCausalLM",
                  "hybrid_gated_deltanet": "HybridGatedDeltaNetForCausalLM",
@@ -337,7 +338,6 @@ def _derived_head_dim(sub, hidden: int, field: str) -> None:
 
 def lte_training_defaults(lte: LTEConfig) -> dict:
   """The controller settings our trainer uses (§4.6), in the authors' field names."""
-  from lalte_jax.train.lte_controller import ControllerConfig  # pylint: disable=import-outside-toplevel
   c = ControllerConfig(cap=lte.cap)
   return dict(l1_lambda_init=c.lambda_init, l1_lambda_min=c.lambda_min,
               l1_lambda_max=c.lambda_max, l1_alpha=c.alpha_up, l1_alpha_neg=c.alpha_down,

@@ -13,7 +13,8 @@ from tests.lalte_jax.convert.helpers import same_params, write_checkpoint
 
 
 def write_tokenizer(directory, vocab_size):
-  from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from tokenizers import Tokenizer, models, pre_tokenizers
   vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
   tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
