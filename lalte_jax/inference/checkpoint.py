@@ -158,9 +158,7 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
   config = read_model_config(directory)
   if dtype is not None:
     config = config.replace(dtype=dtype)
-  abstract = nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0)))
-  graphdef, params_state, rest = nnx.split(abstract, nnx.Param, ...)
-  target = _string_keys(nnx.to_pure_dict(params_state))
+  target = _string_keys(param_shapes(config))
   checkpointer = ocp.StandardCheckpointer()
   stored = checkpointer.metadata(directory / PARAMS_DIR).item_metadata.tree
   expected_shapes, stored_shapes = _flat_shapes(target), _flat_shapes(stored)
@@ -177,8 +175,23 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
   abstract_target = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), target)
   restored = checkpointer.restore(directory / PARAMS_DIR, abstract_target)
-  nnx.replace_by_pure_dict(params_state,
-                           _keys_like(nnx.to_pure_dict(params_state), restored))
+  return model_from_param_dict(config, _keys_like(param_shapes(config), restored))
+
+
+def param_shapes(config: ModelConfig) -> dict:
+  """The nnx pure dict of `HybridLM(config)`'s parameters as `jax.ShapeDtypeStruct`s (nothing is
+  allocated)."""
+  abstract = nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0)))
+  return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def model_from_param_dict(config: ModelConfig, params: dict) -> HybridLM:
+  """`HybridLM(config)` holding `params` (an nnx pure dict of arrays of the model's shapes, e.g.
+  NumPy arrays) as float32 parameters, without initialising any."""
+  abstract = nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0)))
+  graphdef, params_state, rest = nnx.split(abstract, nnx.Param, ...)
+  nnx.replace_by_pure_dict(params_state, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
+                                                      params))
   rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
   return nnx.merge(graphdef, params_state, rest)
 

@@ -1,0 +1,3 @@
+from lalte_jax.convert.cli import main
+
+main()
