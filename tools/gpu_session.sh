@@ -17,7 +17,7 @@
 #   bash tools/gpu_session.sh prep      # GDN preparation kernels vs XLA, 4 shapes; FLA at B4 H64
 #   bash tools/gpu_session.sh gdn       # GDN vs FLA at shapes 0, 1 of issue 6 (~6-9 min)
 #   bash tools/gpu_session.sh gdn23     # GDN vs FLA at shapes 3, 2 (~6-9 min)
-#   STUDY_SETTINGS='base small_state' bash tools/gpu_session.sh study  # issue 7 study (~9 min)
+#   bash tools/gpu_session.sh study     # the capacity study, resumable (tools/study_gpu.sh, ~9 min)
 #   bash tools/gpu_session.sh multigpu  # kind nvidia-h200-x2: kernels per shard, FSDP scaling
 # Then fold the numbers into docs/benchmarks.md / docs/results.md with the commands below.
 set -uo pipefail
@@ -128,34 +128,9 @@ case "$stage" in
     done
     ;;
   study)
-    # STUDY_SETTINGS (default "base"): the settings of lalte_jax/configs/repro/common.py to run side by side,
-    # six trainings each. Trainings stop at the deadline (they then evaluate what they have).
-    # STUDY_LRS / STUDY_MODELS: comma-separated learning rates / models (default: the study's). At
-    # most 12 trainings share the GPU at once. Measured on an H100: 6 at once run at ~17-20 steps/s
-    # each, 12 at once at ~8-9 (the GPU is saturated) and then compile and evaluate so slowly that
-    # a 10-minute call does not hold 12 runs; merge runs of several calls with
-    # `tools/repro.py --report-only`.
-    settings=${STUDY_SETTINGS:-base}
-    read -ra setting_list <<<"$settings"
-    parallel=$((12 / ${#setting_list[@]}))
-    # STUDY_STEPS overrides the training steps (the short-gap phase scales with it).
-    run_name() { echo "$1${STUDY_STEPS:+_$STUDY_STEPS}"; }  # one name per setting (and steps)
-    for setting in $settings; do
-      step 500 python3 tools/repro.py --out "/tmp/repro_$(run_name "$setting")" \
-        --setting "$setting" --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} \
-        ${STUDY_MODELS:+--models "$STUDY_MODELS"} ${STUDY_STEPS:+--steps "$STUDY_STEPS"} \
-        --deadline-s 400 --grace-s 90 &
-    done
-    wait
-    for setting in $settings; do
-      name=$(run_name "$setting")
-      dir="/tmp/repro_$name"
-      step 40 python3 tools/plot_results.py --results "$dir" --out "$dir/figures"
-      cp "$dir/results.md" "$out/results_$name.md" 2>>"$log"
-      # results, figures, metrics, summaries and laLTE retention of every run (no weights)
-      tar -czf "$out/repro_$name.tar.gz" -C "$dir" --exclude=export --exclude='*.ckpt' \
-        --exclude=checkpoints . 2>>"$log"
-    done
+    # The capacity study, continued from the state that the previous call packed (see
+    # tools/study_gpu.sh; it has its own budget and pip install).
+    bash tools/study_gpu.sh "$out"  # appends to the same $out/study.log
     ;;
   multigpu)
     # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on
