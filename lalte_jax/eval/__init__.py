@@ -1,4 +1,4 @@
-"""Evaluation suite (issue 7): synthetic recall, RULER S-NIAH, perplexity, lm-eval and EVAPORATE.
+"""Evaluation suite: synthetic recall, RULER S-NIAH, perplexity, lm-eval and EVAPORATE.
 
 - `recall`: MQAR (zoology), long-gap MQAR and passkey on the model's ids;
 - `eviction_diagnostics`: capped and uncapped MQAR accuracy with what an LTE layer keeps

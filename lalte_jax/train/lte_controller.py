@@ -1,4 +1,4 @@
-"""The LTE sparsity loss and the lambda controller, exactly as REFERENCE_SPEC §4.4-4.6.
+"""The LTE sparsity loss and the lambda controller, exactly as §4.4-4.6 of docs/model_spec.md.
 
 Sparsity loss (§4.4, G2, G3): mean over batch, positions j < T - margin, LTE layers and KV heads
 of lambda[n, h] * ReLU(score[n, b, j, h]), score = sigmoid(x) - 0.5. The last `margin` positions
