@@ -24,7 +24,7 @@
 #   prep       GDN preparation kernels against XLA at 4 shapes; FLA at B4 H64
 #   gdn        GDN against FLA at shapes 0 and 1 of tools/compare_fla.py (~6-9 min)
 #   gdn23      GDN against FLA at shapes 3 and 2 (~6-9 min)
-#   study      the reproduction study (STUDY_SETTINGS='base small_state', ~9 min)
+#   study      the capacity study, resumable across runs (tools/study_gpu.sh, ~9 min)
 #   multigpu   several GPUs of one host: kernels per shard, FSDP scaling of the 0.4b step
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
@@ -160,33 +160,9 @@ case "$stage" in
     done
     ;;
   study)
-    # STUDY_SETTINGS (default "base"): the settings of lalte_jax/configs/repro/common.py to run
-    # side by side, six trainings each. Trainings stop at their deadline and then evaluate what
-    # they have. STUDY_LRS / STUDY_MODELS: comma-separated learning rates / models (default: the
-    # study's); STUDY_STEPS overrides the training steps (the short-gap phase scales with it). At
-    # most 12 trainings share the GPU at once. On an H100, 6 at once run at ~17-20 steps/s each,
-    # 12 at once at ~8-9 (the GPU is saturated) and then compile and evaluate slowly, so 12 runs
-    # do not fit 10 minutes; `tools/repro.py --report-only` merges runs of several stages.
-    settings=${STUDY_SETTINGS:-base}
-    read -ra setting_list <<<"$settings"
-    parallel=$((12 / ${#setting_list[@]}))
-    run_name() { echo "$1${STUDY_STEPS:+_$STUDY_STEPS}"; }  # one name per setting (and steps)
-    for setting in $settings; do
-      step 500 python3 tools/repro.py --out "/tmp/repro_$(run_name "$setting")" \
-        --setting "$setting" --parallel "$parallel" ${STUDY_LRS:+--lrs "$STUDY_LRS"} \
-        ${STUDY_MODELS:+--models "$STUDY_MODELS"} ${STUDY_STEPS:+--steps "$STUDY_STEPS"} \
-        --deadline-s 400 --grace-s 90 &
-    done
-    wait
-    for setting in $settings; do
-      name=$(run_name "$setting")
-      dir="/tmp/repro_$name"
-      step 40 python3 tools/plot_results.py --results "$dir" --out "$dir/figures"
-      cp "$dir/results.md" "$dest/results_$name.md" 2>>"$log"
-      # results, figures, metrics, summaries and laLTE retention of every run (no weights)
-      tar -czf "$dest/repro_$name.tar.gz" -C "$dir" --exclude=export --exclude='*.ckpt' \
-        --exclude=checkpoints . 2>>"$log"
-    done
+    # The capacity study, continued from the state a previous run packed (tools/study_gpu.sh has
+    # its own time budget, STUDY_BUDGET_S, and its own wheel install).
+    bash tools/study_gpu.sh "$dest"
     ;;
   multigpu)
     # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on

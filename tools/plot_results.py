@@ -1,21 +1,23 @@
-"""Figures of the reproduction study (matplotlib, written as PNG files).
+"""Figures of the capacity study and of evaluation results (matplotlib, written as PNG files).
 
-    python tools/plot_results.py --results runs/repro [--out runs/repro/figures]
+    python tools/plot_results.py --results runs/capacity [--out runs/capacity/figures]
 
-From a results directory of `tools/repro.py` (or of `python -m lalte_jax.eval`) it draws
-- `accuracy_vs_length.png`: accuracy (%) against evaluation length, one panel per task, one line
-  per model (from `results.json`);
-- `retention_heatmap.png`: the trained laLTE router's per-layer / per-head retention rate over the
-  out-of-window positions (paper Fig. 5; from `<results>/lalte/retention.json`, or `--retention`);
+From a study directory of `tools/repro.py` (results.json with the chosen learning rates, the
+main-table rows and every run's records) it draws
+- `accuracy_by_model.png`: long-gap MQAR test accuracy (%) per model at its chosen lr, capped
+  and uncapped (bars: mean over the seeds, dots: each seed), and the P = 8 control;
+- `availability.png`: for the LTE models, the share of queried values visible at their query
+  (availability, capped and uncapped) and the retention of queried values and of fillers (%);
+- `retention_heatmap.png`: per LTE model (seed 0 at its lr), the retention of queried values and
+  of fillers per LTE layer and KV head (score > 0 among the out-of-window candidates);
 - `lte_controller.png`: the sparsity weight lambda and the retention count c of every LTE layer
-  and head over training, with the cap b (from `<results>/lalte/metrics.jsonl`, or `--metrics`).
-- `training_loss.png`: every model's training loss against the step (from
-  `<results>/<model>/metrics.jsonl` for each model of results.json);
-- `kernel_speed_vs_length.png` (with `--kernel-bench FILE`, the `--json` output of
-  tools/bench_attention.py): time of each attention kernel against the sequence length at a fixed
-  token count, forward and forward+backward (paper Fig. 3 analogue).
-Figures whose inputs are missing are skipped with a message. Needs matplotlib
-(`pip install matplotlib`).
+  and head over training for each LTE model (seed 0 at its lr), with the cap b;
+- `training_loss.png`: each model's training loss against the step (seed 0 at its lr).
+From a results directory of `python -m lalte_jax.eval` (records with lengths) it draws
+`accuracy_vs_length.png`; with `--kernel-bench FILE` (the `--json` output of
+tools/bench_attention.py) `kernel_speed_vs_length.png`: time of each attention kernel against
+the sequence length at a fixed token count (paper Fig. 3 analogue). Figures whose inputs are
+missing are skipped with a message. Needs matplotlib (`pip install matplotlib`).
 """
 
 from __future__ import annotations
@@ -70,80 +72,9 @@ def plot_accuracy_vs_length(results: dict, path: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def plot_retention_heatmap(retention: dict, path: pathlib.Path) -> pathlib.Path:
-  """Heatmap of `rate_oow` [L_lte, Hkv] with the values written in the cells."""
-  plt = _pyplot()
-  rates = retention["rate_oow"]
-  figure, axis = plt.subplots(figsize=(1.2 + 1.1 * len(rates[0]), 1.2 + 0.7 * len(rates)))
-  top = max(1e-6, max(max(row) for row in rates))
-  image = axis.imshow(rates, vmin=0.0, vmax=top, cmap="viridis", aspect="auto")
-  for layer, row in enumerate(rates):
-    for head, value in enumerate(row):  # dark text on the bright end of viridis
-      axis.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=8,
-                color="k" if value > 0.6 * top else "w")
-  axis.set_xticks(range(len(rates[0])))
-  axis.set_yticks(range(len(rates)))
-  axis.set_xlabel("KV head")
-  axis.set_ylabel("LTE layer")
-  axis.set_title(f"out-of-window retention (w={retention.get('window')},"
-                 f" b={retention.get('cap')})", fontsize=9)
-  figure.colorbar(image, ax=axis)
-  figure.tight_layout()
-  figure.savefig(path, dpi=150)
-  plt.close(figure)
-  return path
-
-
 def read_metrics(path: pathlib.Path) -> list[dict]:
   return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
           if line.strip()]
-
-
-def plot_lte_controller(records: list[dict], path: pathlib.Path,
-                        cap: float | None = None) -> pathlib.Path:
-  """lambda and retention count per (LTE layer, head) against the step."""
-  plt = _pyplot()
-  records = [r for r in records if "lte_lambda" in r and r["lte_lambda"]]
-  if not records:
-    raise ValueError("metrics: no record with lte_lambda (not an LTE run?)")
-  steps = [r["step"] for r in records]
-  figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-  num_layers, num_heads = len(records[0]["lte_lambda"]), len(records[0]["lte_lambda"][0])
-  for layer in range(num_layers):
-    for head in range(num_heads):
-      label = f"layer {layer} head {head}"
-      top.plot(steps, [r["lte_lambda"][layer][head] for r in records], label=label)
-      bottom.plot(steps, [r["lte_retained"][layer][head] for r in records], label=label)
-  top.set_yscale("symlog", linthresh=1e-9)
-  top.set_ylabel("lambda")
-  bottom.set_ylabel("retention count c")
-  bottom.set_xlabel("step")
-  if cap is not None:
-    bottom.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"cap b={cap:g}")
-  bottom.legend(fontsize="x-small", ncol=2)
-  for axis in (top, bottom):
-    axis.grid(alpha=0.3)
-  figure.tight_layout()
-  figure.savefig(path, dpi=150)
-  plt.close(figure)
-  return path
-
-
-def plot_training_loss(losses: dict[str, list[tuple[int, float]]],
-                       path: pathlib.Path) -> pathlib.Path:
-  """Training loss against the step, one line per model."""
-  plt = _pyplot()
-  figure, axis = plt.subplots(figsize=(7, 4))
-  for model, points in losses.items():
-    axis.plot([p[0] for p in points], [p[1] for p in points], label=model, linewidth=1)
-  axis.set_xlabel("step")
-  axis.set_ylabel("training loss (cross-entropy on the answers)")
-  axis.grid(alpha=0.3)
-  axis.legend(fontsize="small")
-  figure.tight_layout()
-  figure.savefig(path, dpi=150)
-  plt.close(figure)
-  return path
 
 
 def plot_kernel_speed(bench: dict, path: pathlib.Path) -> pathlib.Path:
@@ -177,13 +108,179 @@ def plot_kernel_speed(bench: dict, path: pathlib.Path) -> pathlib.Path:
   return path
 
 
+# ------------------------------------------------------------------------------------------------
+# The capacity study (results.json of tools/repro.py)
+
+
+def _save(figure, plt, path: pathlib.Path) -> pathlib.Path:
+  figure.tight_layout()
+  figure.savefig(path, dpi=150)
+  plt.close(figure)
+  return path
+
+
+def chosen_runs(results: dict) -> dict[str, dict]:
+  """{model: records of its seed-0 run at the chosen lr with the study's main pairs}."""
+  pairs = max((r["pairs"] for r in results["runs"]), default=None)
+  return {model: record for model, lr in results["chosen_lr"].items() for record in
+          results["runs"] if record["model"] == model and record["lr"] == lr
+          and record["seed"] == 0 and record["pairs"] == pairs and record["steps"] ==
+          results["steps"]}
+
+
+def _grouped_bars(rows: list[dict], kinds, path: pathlib.Path, *, ylabel: str,
+                  tick_labels: list[str]) -> pathlib.Path:
+  """One group of bars per row, one bar per (key, label) of `kinds`: the mean of `row[key]`
+  (stats of tools/repro_report.py), with a dot for each of its values (the seeds)."""
+  plt = _pyplot()
+  figure, axis = plt.subplots(figsize=(2.0 + 0.45 * len(kinds) * len(rows), 3.8))
+  width = 0.8 / len(kinds)
+  for k, (key, label) in enumerate(kinds):
+    xs = [i + (k - (len(kinds) - 1) / 2) * width for i in range(len(rows))]
+    axis.bar(xs, [row[key]["mean"] if row.get(key) else 0.0 for row in rows], width,
+             label=label)
+    for x, row in zip(xs, rows):
+      values = (row.get(key) or {}).get("values", [])
+      axis.scatter([x] * len(values), values, color="k", s=8, zorder=3)
+  axis.set_xticks(range(len(rows)))
+  axis.set_xticklabels(tick_labels, fontsize=8)
+  axis.set_ylim(0, 102)
+  axis.set_ylabel(ylabel)
+  axis.grid(axis="y", alpha=0.3)
+  axis.legend(fontsize="x-small")
+  return _save(figure, plt, path)
+
+
+def plot_accuracy_by_model(results: dict, path: pathlib.Path) -> pathlib.Path:
+  """Per model: capped, uncapped and control accuracy (bars: means, dots: every seed)."""
+  rows = list(results["rows"].values())
+  if not rows:
+    raise ValueError("results: no model has a chosen learning rate yet")
+  return _grouped_bars(
+      rows, (("capped", "capped (cache)"), ("uncapped", "uncapped"), ("control", "P=8 control")),
+      path, ylabel="long-gap MQAR accuracy (%)",
+      tick_labels=[f"{row['model']}\nlr {row['lr']:g}" for row in rows])
+
+
+def plot_availability(results: dict, path: pathlib.Path) -> pathlib.Path:
+  """Per LTE model: availability (capped, uncapped) and value / filler retention (%)."""
+  rows = [row for row in results["rows"].values() if "availability_capped" in row]
+  if not rows:
+    raise ValueError("results: no LTE model with diagnostics yet")
+  kinds = (("availability_capped", "availability, capped"),
+           ("availability_uncapped", "availability, uncapped"),
+           ("value_retention", "value retention"), ("filler_retention", "filler retention"))
+  return _grouped_bars(rows, kinds, path, ylabel="% (bars: mean over seeds)",
+                       tick_labels=[row["model"] for row in rows])
+
+
+def plot_retention_heatmap(results: dict, path: pathlib.Path) -> pathlib.Path:
+  """Value and filler retention [LTE layer, KV head] of each LTE model's seed-0 run."""
+  plt = _pyplot()
+  runs = {m: r for m, r in chosen_runs(results).items() if "value_retention" in r["test"]}
+  if not runs:
+    raise ValueError("results: no LTE run with diagnostics yet")
+  panels = [(f"{model}: {kind}", record["test"][f"{kind}_retention"])
+            for model, record in runs.items() for kind in ("value", "filler")]
+  figure, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels), 2.6), squeeze=False)
+  for axis, (title, rates) in zip(axes[0], panels):
+    image = axis.imshow(rates, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    for layer, row in enumerate(rates):
+      for head, value in enumerate(row):  # dark text on the bright end of viridis
+        axis.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=8,
+                  color="k" if value > 0.6 else "w")
+    axis.set_xticks(range(len(rates[0])))
+    axis.set_yticks(range(len(rates)))
+    axis.set_xlabel("KV head")
+    axis.set_title(title, fontsize=8)
+  axes[0][0].set_ylabel("LTE layer")
+  figure.colorbar(image, ax=axes[0].tolist())
+  figure.savefig(path, dpi=150)
+  plt.close(figure)
+  return path
+
+
+def plot_lte_controller(curves: dict[str, list[dict]], path: pathlib.Path,
+                        cap: float | None = None) -> pathlib.Path:
+  """lambda (top) and retention count c (bottom) per (LTE layer, head) against the step, one
+  column per run of `curves` ({label: metrics.jsonl records})."""
+  plt = _pyplot()
+  curves = {label: [r for r in records if r.get("lte_lambda")]
+            for label, records in curves.items()}
+  curves = {label: records for label, records in curves.items() if records}
+  if not curves:
+    raise ValueError("metrics: no record with lte_lambda (not an LTE run?)")
+  figure, axes = plt.subplots(2, len(curves), figsize=(5.5 * len(curves), 6), sharex="col",
+                              squeeze=False)
+  for column, (label, records) in enumerate(curves.items()):
+    top, bottom = axes[0][column], axes[1][column]
+    steps = [r["step"] for r in records]
+    num_layers, num_heads = len(records[0]["lte_lambda"]), len(records[0]["lte_lambda"][0])
+    for layer in range(num_layers):
+      for head in range(num_heads):
+        name = f"layer {layer} head {head}"
+        top.plot(steps, [r["lte_lambda"][layer][head] for r in records], label=name)
+        bottom.plot(steps, [r["lte_retained"][layer][head] for r in records], label=name)
+    top.set_yscale("symlog", linthresh=1e-9)
+    top.set_title(label, fontsize=9)
+    top.set_ylabel("lambda")
+    bottom.set_ylabel("retention count c")
+    bottom.set_xlabel("step")
+    if cap is not None:
+      bottom.axhline(cap, color="k", linestyle="--", linewidth=1, label=f"cap b={cap:g}")
+    bottom.legend(fontsize="x-small", ncol=2)
+    for axis in (top, bottom):
+      axis.grid(alpha=0.3)
+  return _save(figure, plt, path)
+
+
+def plot_training_loss(losses: dict[str, list[tuple[int, float]]],
+                       path: pathlib.Path) -> pathlib.Path:
+  """Training loss against the step, one line per model."""
+  plt = _pyplot()
+  figure, axis = plt.subplots(figsize=(7, 4))
+  for model, points in losses.items():
+    axis.plot([p[0] for p in points], [p[1] for p in points], label=model, linewidth=1)
+  axis.set_xlabel("step")
+  axis.set_ylabel("training loss (cross-entropy on the answers)")
+  axis.grid(alpha=0.3)
+  axis.legend(fontsize="small")
+  return _save(figure, plt, path)
+
+
+def plot_study(results: dict, results_dir: pathlib.Path, out: pathlib.Path) -> list:
+  """Every figure of the capacity study whose inputs exist (skipped ones are named on stderr)."""
+  written = []
+  for name, draw in (("accuracy_by_model", plot_accuracy_by_model),
+                     ("availability", plot_availability),
+                     ("retention_heatmap", plot_retention_heatmap)):
+    try:
+      written.append(draw(results, out / f"{name}.png"))
+    except ValueError as error:
+      print(f"skipped {name}: {error}", file=sys.stderr)
+  runs = chosen_runs(results)
+  metrics = {model: results_dir / "runs" / record["name"] / "metrics.jsonl"
+             for model, record in runs.items()}
+  metrics = {model: read_metrics(path) for model, path in metrics.items() if path.is_file()}
+  caps = [r["test"]["cap"] for r in runs.values() if "cap" in r["test"]]
+  try:
+    written.append(plot_lte_controller(metrics, out / "lte_controller.png",
+                                       cap=caps[0] if caps else None))
+  except ValueError as error:
+    print(f"skipped lte_controller: {error}", file=sys.stderr)
+  losses = {model: [(r["step"], r["ce_loss"]) for r in records if "ce_loss" in r]
+            for model, records in metrics.items()}
+  if losses:
+    written.append(plot_training_loss(losses, out / "training_loss.png"))
+  else:
+    print("skipped training_loss: no run's metrics.jsonl", file=sys.stderr)
+  return written
+
+
 def main(argv=None) -> list[pathlib.Path]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
   parser.add_argument("--results", required=True, help="directory holding results.json")
   parser.add_argument("--out", help="figure directory (default: <results>/figures)")
-  parser.add_argument("--lte-model", default="lalte", help="sub-directory of the LTE run")
-  parser.add_argument("--retention", help="retention.json (default: <results>/<lte-model>/)")
-  parser.add_argument("--metrics", help="metrics.jsonl (default: <results>/<lte-model>/)")
   parser.add_argument("--kernel-bench", help="JSON of tools/bench_attention.py --json")
   args = parser.parse_args(argv)
   results_dir = pathlib.Path(args.results)
@@ -191,35 +288,14 @@ def main(argv=None) -> list[pathlib.Path]:
   out.mkdir(parents=True, exist_ok=True)
   written = []
   results_path = results_dir / "results.json"
-  if results_path.is_file():
-    written.append(plot_accuracy_vs_length(json.loads(results_path.read_text()),
-                                           out / "accuracy_vs_length.png"))
+  if not results_path.is_file():
+    print(f"skipped the results figures: {results_path} does not exist", file=sys.stderr)
   else:
-    print(f"skipped accuracy_vs_length: {results_path} does not exist", file=sys.stderr)
-  retention_path = pathlib.Path(args.retention or results_dir / args.lte_model / "retention.json")
-  cap = None
-  if retention_path.is_file():
-    retention = json.loads(retention_path.read_text())
-    cap = retention.get("cap")
-    written.append(plot_retention_heatmap(retention, out / "retention_heatmap.png"))
-  else:
-    print(f"skipped retention_heatmap: {retention_path} does not exist", file=sys.stderr)
-  metrics_path = pathlib.Path(args.metrics or results_dir / args.lte_model / "metrics.jsonl")
-  if metrics_path.is_file():
-    written.append(plot_lte_controller(read_metrics(metrics_path), out / "lte_controller.png",
-                                       cap=cap))
-  else:
-    print(f"skipped lte_controller: {metrics_path} does not exist", file=sys.stderr)
-  losses = {}
-  if results_path.is_file():
-    for model in json.loads(results_path.read_text()).get("models", []):
-      path = results_dir / model / "metrics.jsonl"
-      if path.is_file():
-        losses[model] = [(r["step"], r["ce_loss"]) for r in read_metrics(path) if "ce_loss" in r]
-  if losses:
-    written.append(plot_training_loss(losses, out / "training_loss.png"))
-  else:
-    print("skipped training_loss: no <results>/<model>/metrics.jsonl", file=sys.stderr)
+    results = json.loads(results_path.read_text())
+    if "rows" in results:
+      written += plot_study(results, results_dir, out)
+    else:
+      written.append(plot_accuracy_vs_length(results, out / "accuracy_vs_length.png"))
   if args.kernel_bench:
     written.append(plot_kernel_speed(json.loads(pathlib.Path(args.kernel_bench).read_text()),
                                      out / "kernel_speed_vs_length.png"))

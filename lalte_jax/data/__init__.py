@@ -1,8 +1,11 @@
 """Data: synthetic recall tasks, pre-tokenized corpora, tokenizers and the Grain input pipeline.
 
-- `synthetic`: `MQARSource` (zoology MQAR, long-gap with `min_gap`), `PasskeySource` (S-NIAH-1
-  over token ids), `score_recall`; shared by the trainer and the evaluation tasks.
-- `pretokenized`: `PretokenizedSource` over the ArrayRecord shards `lalte-prepare-data` (`lalte_jax/data/prepare.py`) writes.
+- `synthetic`: `MQARSource` (zoology MQAR, long-gap with `min_gap`, filler prefix), `PasskeySource`
+  (S-NIAH-1 over token ids), `score_recall`; shared by the trainer and the evaluation tasks.
+- `curricula`: mixtures of those sources (`RecallMixture`, `StagedCurriculum`) and the named
+  training curricula a config selects with `data="curriculum:<name>"`.
+- `pretokenized`: `PretokenizedSource` over the ArrayRecord shards `lalte-prepare-data`
+  (`lalte_jax/data/prepare.py`) writes.
 - `tokenizer`: `load_tokenizer(path)` for HF tokenizers JSON, SentencePiece or bytes.
 - `pipeline`: `make_dataset(...)`, deterministic, checkpointable batches sharded by process.
 

@@ -50,12 +50,14 @@ class MQARSource:
   Vocabulary: ids `[0, num_reserved_ids)` are reserved (0 = pad/BOS) and never drawn; keys come from
   `[num_reserved_ids, vocab_size // 2)`, values from `[vocab_size // 2, vocab_size)`.
 
-  Layout of `tokens [seq_len]` (P = `num_kv_pairs`):
-  - positions `0 .. 2P-1`: the key-value region `k_0 v_0 k_1 v_1 ... k_{P-1} v_{P-1}`, keys
+  Layout of `tokens [seq_len]` (P = `num_kv_pairs`, F = `prefix_len`, 0 in zoology):
+  - positions `0 .. F-1`: filler before the pairs (so that the first tokens of a sequence, e.g.
+    LTE's attention sinks, hold no pair);
+  - positions `F .. F+2P-1`: the key-value region `k_0 v_0 k_1 v_1 ... k_{P-1} v_{P-1}`, keys
     distinct, values distinct;
-  - positions `2P ..`: the query region. It is cut into slots of two positions; each key is
-    repeated once, at the start of a slot (`query_pos = 2P + 2 * slot`), in random order. Slots are
-    drawn without replacement with zoology's power law, P(slot s) proportional to
+  - positions `F+2P ..`: the query region. It is cut into slots of two positions; each key is
+    repeated once, at the start of a slot (`query_pos = F + 2P + 2 * slot`), in random order.
+    Slots are drawn without replacement with zoology's power law, P(slot s) proportional to
     `(s + 1) ** (power_a - 1)`, so most queries come soon after the key-value region and a few far
     later. Every other position holds filler: random ids from `[num_reserved_ids, vocab_size)`
     (zoology's `random_non_queries`) or `PAD_ID` when `random_non_queries=False`.
@@ -67,9 +69,10 @@ class MQARSource:
 
   Long-gap variant (`min_gap > 0`): every query lies more than `min_gap` positions after both the
   key and the value it asks for (`query_pos - value_pos > min_gap`, value_pos = key_pos + 1). The
-  power law then starts at the first slot that satisfies this for the last pair. To put the whole
-  pair outside a sliding window that holds `W` keys including the current one (SWA
-  `window_size=W`), use `min_gap = W - 1`; for an LTE window `w` (w + 1 keys), `min_gap = w`.
+  power law then starts at the first slot that satisfies this for the last pair (hence for all).
+  To put the whole pair outside a sliding window that holds `W` keys including the current one
+  (SWA `window_size=W`), use `min_gap = W - 1`; for an LTE window `w` (w + 1 keys),
+  `min_gap = w`.
   """
   num_examples: int
   seq_len: int
@@ -80,6 +83,7 @@ class MQARSource:
   min_gap: int = 0
   num_reserved_ids: int = 1
   random_non_queries: bool = True
+  prefix_len: int = 0
 
   def __post_init__(self):
     for name in ("num_examples", "num_kv_pairs"):
@@ -88,6 +92,7 @@ class MQARSource:
     _require(self.seed >= 0, f"MQARSource.seed must be >= 0, got {self.seed}")
     _require(0 < self.power_a <= 1, f"MQARSource.power_a must be in (0, 1], got {self.power_a}")
     _require(self.min_gap >= 0, f"MQARSource.min_gap must be >= 0, got {self.min_gap}")
+    _require(self.prefix_len >= 0, f"MQARSource.prefix_len must be >= 0, got {self.prefix_len}")
     _require(self.num_reserved_ids >= 1,
              f"MQARSource.num_reserved_ids must be >= 1 (id 0 is pad), got {self.num_reserved_ids}")
     num_keys = self.vocab_size // 2 - self.num_reserved_ids
@@ -97,16 +102,23 @@ class MQARSource:
              f" values; num_kv_pairs={self.num_kv_pairs} distinct ones of each are needed")
     _require(len(self._candidate_slots) >= self.num_kv_pairs,
              f"MQARSource.seq_len={self.seq_len} leaves {len(self._candidate_slots)} query slots"
-             f" (min_gap={self.min_gap}) for num_kv_pairs={self.num_kv_pairs} queries")
+             f" (min_gap={self.min_gap}, prefix_len={self.prefix_len}) for"
+             f" num_kv_pairs={self.num_kv_pairs} queries")
 
   @property
   def kv_region_len(self) -> int:
     return 2 * self.num_kv_pairs
 
   @property
+  def query_start(self) -> int:
+    """First position of the query region (`prefix_len + 2P`)."""
+    return self.prefix_len + self.kv_region_len
+
+  @property
   def _candidate_slots(self) -> np.ndarray:
-    num_slots = max(self.seq_len - self.kv_region_len, 0) // 2
-    # A query in slot s (at 2P + 2s) is 2s + 1 after the nearest value, the last one (at 2P - 1);
+    num_slots = max(self.seq_len - self.query_start, 0) // 2
+    # A query in slot s (at F + 2P + 2s) is 2s + 1 after the nearest value, the last one (at
+    # F + 2P - 1);
     # 2s + 1 > min_gap  <=>  s >= (min_gap + 1) // 2.
     first_slot = (self.min_gap + 1) // 2
     return np.arange(first_slot, max(num_slots, first_slot))
@@ -125,18 +137,32 @@ class MQARSource:
     candidates = self._candidate_slots
     weights = np.arange(1, len(candidates) + 1, dtype=np.float64) ** (self.power_a - 1)
     slots = rng.choice(candidates, num_pairs, replace=False, p=weights / weights.sum())
-    query_positions = self.kv_region_len + 2 * slots
+    query_positions = self.query_start + 2 * slots
 
     if self.random_non_queries:
       tokens = rng.integers(self.num_reserved_ids, self.vocab_size, self.seq_len)
     else:
       tokens = np.full(self.seq_len, PAD_ID)
-    tokens[0:self.kv_region_len:2] = keys
-    tokens[1:self.kv_region_len:2] = values
+    tokens[self.prefix_len:self.query_start:2] = keys
+    tokens[self.prefix_len + 1:self.query_start:2] = values
     tokens[query_positions] = keys
     labels = np.full(self.seq_len, IGNORE_LABEL)
     labels[query_positions] = values
     return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32)}
+
+  def roles(self, index) -> dict[str, np.ndarray]:
+    """Where each part of example `index` lies: {"query": int [P] the query positions in order,
+    "value": int [P] the position of the value each of them asks for, "filler": bool [seq_len]
+    the positions that are neither in the key-value region nor a query}."""
+    example = self[index]
+    query_Q = np.flatnonzero(example["labels"] != IGNORE_LABEL)
+    keys_P = example["tokens"][self.prefix_len:self.query_start:2]
+    order_P = np.argsort(keys_P)  # keys are distinct: the pair of each queried key by search
+    pair_Q = order_P[np.searchsorted(keys_P, example["tokens"][query_Q], sorter=order_P)]
+    filler_T = np.ones(self.seq_len, bool)
+    filler_T[self.prefix_len:self.query_start] = False
+    filler_T[query_Q] = False
+    return {"query": query_Q, "value": self.prefix_len + 2 * pair_Q + 1, "filler": filler_T}
 
 
 # ------------------------------------------------------------------------------------------------

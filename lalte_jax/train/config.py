@@ -15,9 +15,11 @@ import ast
 import dataclasses
 import importlib.util
 import pathlib
+import sys
 import typing
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.data import curricula
 from lalte_jax.presets import SIZES, VARIANTS, get_model_config
 from lalte_jax.train import model_overrides as overrides_lib
 
@@ -43,13 +45,16 @@ class TrainConfig:
   # Changes to the preset's ModelConfig by dotted field name, e.g. {"lte.window": 32}; a dict in
   # config files, stored as sorted (name, value) pairs so that the config stays hashable.
   model_overrides: tuple = ()
-  # Data. "mqar"/"passkey" are generated on the fly from (index, seed); "pretokenized" reads the
-  # ArrayRecord shards that lalte_jax/data/prepare.py writes into `data_dir`.
+  # Data. "mqar"/"passkey" are generated on the fly from (index, seed); "curriculum:<name>" mixes
+  # them as the named curriculum of lalte_jax/data/curricula.py does (reading the mqar_* fields);
+  # "pretokenized" reads the ArrayRecord shards that lalte_jax/data/prepare.py writes into
+  # `data_dir`.
   data: str = "mqar"
   data_dir: str = ""
   seq_len: int = 256
   mqar_num_kv_pairs: int = 8
   mqar_min_gap: int = 0
+  mqar_prefix_len: int = 0  # filler tokens before the key-value region
   num_train_examples: int = 1_000_000
   num_eval_examples: int = 256
   # Batch: `global_batch_size` sequences per optimizer step over all devices, split into
@@ -79,6 +84,10 @@ class TrainConfig:
   lte_update_every: int = 32
   lte_tolerance_low: float = 0.95
   lte_tolerance_high: float = 1.0
+  # Router warm-up (the reference's `routing_freeze_steps`, 0 in the paper's runs): for the first
+  # N steps every token is kept and the router gets no gradient; the controller then starts from
+  # its initial state (lalte_jax/train/router_warmup.py).
+  lte_routing_freeze_steps: int = 0
   # Parallelism: mesh axis sizes; -1 on `mesh_data` takes all remaining devices.
   mesh_data: int = -1
   mesh_fsdp: int = 1
@@ -115,7 +124,13 @@ class TrainConfig:
     _require(self.model_dtype in DTYPES, "model_dtype", f"{self.model_dtype!r} not in {DTYPES}")
     _require(self.remat in ("none", "block", "dots"), "remat",
              f"{self.remat!r} is not 'none', 'block' or 'dots'")
-    _require(self.data in DATA_KINDS, "data", f"{self.data!r} is not one of {DATA_KINDS}")
+    try:
+      curriculum = curricula.curriculum_name(self.data)
+    except ValueError as error:
+      raise ValueError(f"TrainConfig.data: {error}") from None
+    _require(curriculum is not None or self.data in DATA_KINDS, "data",
+             f"{self.data!r} is not one of {DATA_KINDS} or"
+             f" {curricula.CURRICULUM_PREFIX}<one of {sorted(curricula.CURRICULA)}>")
     _require(self.data != "pretokenized" or bool(self.data_dir), "data_dir",
              "data='pretokenized' needs the directory that lalte_jax/data/prepare.py wrote")
     for name in ("seq_len", "mqar_num_kv_pairs", "num_train_examples", "num_eval_examples",
@@ -124,6 +139,10 @@ class TrainConfig:
                  "lte_lambda_min", "lte_lambda_max", "lte_alpha_up", "lte_alpha_down",
                  "lte_update_every", "mesh_fsdp", "mesh_tensor", "log_every", "eval_batches"):
       _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)!r}")
+    _require(self.mqar_min_gap >= 0 and self.mqar_prefix_len >= 0, "mqar_min_gap",
+             f"gap and prefix must be >= 0, got {self.mqar_min_gap}, {self.mqar_prefix_len}")
+    _require(0 <= self.lte_routing_freeze_steps <= self.steps, "lte_routing_freeze_steps",
+             f"must be in [0, steps={self.steps}], got {self.lte_routing_freeze_steps}")
     _require(self.step_timeout_s >= 0, "step_timeout_s",
              f"must be >= 0 (0 disables the watchdog), got {self.step_timeout_s!r}")
     _require(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data",
@@ -149,7 +168,9 @@ class TrainConfig:
     _require(self.checkpoint_keep > 0, "checkpoint_keep",
              f"must be positive, got {self.checkpoint_keep}")
     _require(self.export_dtype in DTYPES, "export_dtype", f"{self.export_dtype!r} not in {DTYPES}")
-    self.model_config()  # the preset must exist (e.g. pure_lte has no 1.4b) and validate
+    model = self.model_config()  # the preset must exist (e.g. pure_lte has no 1.4b) and validate
+    _require(self.lte_routing_freeze_steps == 0 or model.num_lte_layers > 0,
+             "lte_routing_freeze_steps", f"model {model.name!r} has no LTE layer to warm up")
 
   @property
   def model_name(self) -> str:
@@ -159,6 +180,11 @@ class TrainConfig:
   def run_dir(self) -> str:
     """Where logs (and later checkpoints) go: `output_dir`, or runs/<variant>-<size>."""
     return self.output_dir or f"runs/{self.model_name}"
+
+  @property
+  def curriculum(self) -> str | None:
+    """The curriculum name of `data` = "curriculum:<name>", else None."""
+    return curricula.curriculum_name(self.data)
 
   @property
   def micro_batch_size(self) -> int:
@@ -248,7 +274,7 @@ SHIPPED_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def shipped_configs() -> list[str]:
-  """Names of the experiment configs shipped in `lalte_jax/configs` (`repro/common` style)."""
+  """Names of the experiment configs shipped in `lalte_jax/configs` (`repro/capacity` style)."""
   return sorted(str(p.relative_to(SHIPPED_CONFIGS).with_suffix("")) for p in
                 SHIPPED_CONFIGS.rglob("*.py") if p.name != "__init__.py")
 
@@ -268,8 +294,8 @@ def resolve_config_path(text: str) -> pathlib.Path:
 def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> TrainConfig:
   """Imports the experiment file at `path`, calls its `get_config()`, applies `overrides`.
 
-  `path` is a file or the name of a shipped config (`readme_demo`, `repro/common`). It may end in
-  `:<arg>` (`repro/common:lalte`): the file's `get_config(arg)` is then called with that string,
+  `path` is a file or the name of a shipped config (`readme_demo`, `repro/capacity`). It may end in
+  `:<arg>` (`repro/capacity:lalte`): the file's `get_config(arg)` is then called with that string,
   so that one file can hold a family of experiments.
   """
   argument = None
@@ -279,7 +305,12 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
   path = resolve_config_path(text)
   spec = importlib.util.spec_from_file_location(f"_train_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  # Registered while it runs: dataclasses defined in the file look their module up by name.
+  sys.modules[spec.name] = module
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    del sys.modules[spec.name]
   if not hasattr(module, "get_config"):
     raise ValueError(f"config file {str(path)!r} has no get_config() function")
   config = module.get_config() if argument is None else module.get_config(argument)

@@ -1,4 +1,4 @@
-"""The LTE sparsity loss and the lambda controller, exactly as §4.4-4.6.
+"""The LTE sparsity loss and the lambda controller, exactly as §4.4-4.6 of docs/model_spec.md.
 
 Sparsity loss (§4.4, G2, G3): mean over batch, positions j < T - margin, LTE layers and KV heads
 of lambda[n, h] * ReLU(score[n, b, j, h]), score = sigmoid(x) - 0.5. The last `margin` positions
@@ -59,14 +59,18 @@ class ControllerConfig:
 
 @flax.struct.dataclass
 class ControllerState:
-  """lambda_LH and ema_LH: float32 [L_lte, Hkv] (shape [0, 0] for models without LTE layers)."""
+  """lambda_LH and ema_LH: float32 [L_lte, Hkv]."""
   lambda_LH: jax.Array
   ema_LH: jax.Array
 
 
-def init_controller(num_lte_layers: int, num_kv_heads: int, seq_len: int) -> ControllerState:
-  """lambda = 0 and EMA = seq_len everywhere (§4.6 "start of training", G4)."""
-  shape = (num_lte_layers, num_kv_heads) if num_lte_layers else (0, 0)
+def init_controller(num_lte_layers: int, num_kv_heads: int, seq_len: int
+                    ) -> ControllerState | None:
+  """lambda = 0 and EMA = seq_len everywhere (§4.6 "start of training", G4); None for a model
+  without LTE layers (it has no controller, and a checkpoint cannot hold zero-size arrays)."""
+  if num_lte_layers == 0:
+    return None
+  shape = (num_lte_layers, num_kv_heads)
   return ControllerState(lambda_LH=jnp.zeros(shape, jnp.float32),
                          ema_LH=jnp.full(shape, float(seq_len), jnp.float32))
 

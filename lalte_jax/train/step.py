@@ -16,6 +16,10 @@ split into micro-batches and devices.
 
 The controller is updated even on a skipped step, as in the reference, where the EMA/lambda update
 (step 2) precedes the clip that detects the non-finite norm.
+
+Router warm-up (`lte_routing_freeze_steps` = N > 0, lalte_jax/train/router_warmup.py): steps
+1..N keep every token, give the routers no gradient and no update, and hold the controller at its
+initial state; from step N + 1 the controller counts its steps from there.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lalte_jax.config import ModelConfig
 from lalte_jax.data import IGNORE_LABEL
 from lalte_jax.model import HybridLM
 from lalte_jax.train import optimizer as opt_lib
+from lalte_jax.train import router_warmup
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.lte_controller import (ControllerConfig, ControllerState, init_controller,
                                   sparsity_loss, update_controller)
@@ -47,16 +52,21 @@ class TrainState:
   opt_state: optax AdamW state (moments float32, count of applied updates).
   rng: uint32 [2] raw key data; the step's dropout key is fold_in(key, step), so a resumed run
     draws the same masks. Raw data rather than a typed key keeps the tree plain.
-  controller: LTE lambda and retention EMA, float32 [L_lte, Hkv].
+  controller: LTE lambda and retention EMA, float32 [L_lte, Hkv]; None without LTE layers.
   skipped_total, skipped_consecutive: int32 [] counts of non-finite-gradient steps.
   """
   step: jax.Array
   params: dict
   opt_state: optax.OptState
   rng: jax.Array
-  controller: ControllerState
+  controller: ControllerState | None
   skipped_total: jax.Array
   skipped_consecutive: jax.Array
+
+
+def _no_lte() -> jax.Array:
+  """The [L_lte, Hkv] statistics of a model without LTE layers."""
+  return jnp.zeros((0, 0), jnp.float32)
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -128,13 +138,16 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
   ctrl = controller_config(model_config, config)
   margin = model_config.lte.router_margin if ctrl is not None else 0
   num_micro = config.grad_accum_steps
+  freeze_steps = config.lte_routing_freeze_steps
 
-  def micro_loss(params, tokens_BT, labels_BT, lambda_LH, key, num_scored):
+  def micro_loss(params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen):
+    if freeze_steps:  # d(forward params)/d(router output bias) is 0 while frozen
+      params = router_warmup.keep_every_token(params, frozen)
     model = nnx.merge(graphdef, params)
     logits_BTV, aux = model(tokens_BT, dropout_key=key, return_aux=True)
     ce_sum = masked_cross_entropy_sum(logits_BTV, labels_BT)
     if ctrl is None:
-      return ce_sum / num_scored, (ce_sum, jnp.float32(0.0), jnp.zeros((0, 0), jnp.float32))
+      return ce_sum / num_scored, (ce_sum, jnp.float32(0.0), _no_lte())
     sparse = sparsity_loss(aux.lte_scores, lambda_LH, margin)
     count_LH = jnp.mean(aux.lte_retained, axis=1)  # per-sequence counts, mean over rows
     return ce_sum / num_scored + sparse / num_micro, (ce_sum, sparse, count_LH)
@@ -150,17 +163,20 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
     num_scored = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_LABEL), 1).astype(jnp.float32)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     micro_keys = jax.random.split(step_key, num_micro)
+    frozen = state.step < freeze_steps  # this step (0-based state.step) is a warm-up step
+    lambda_LH = None if ctrl is None else state.controller.lambda_LH
 
     def accumulate(carry, xs):
       grads_acc, ce_acc, sparse_acc, count_acc = carry
       tokens_BT, labels_BT, key = xs
       (_, (ce_sum, sparse, count_LH)), grads = grad_fn(
-          state.params, tokens_BT, labels_BT, state.controller.lambda_LH, key, num_scored)
+          state.params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen)
       grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
       return (grads_acc, ce_acc + ce_sum, sparse_acc + sparse, count_acc + count_LH), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    init = (zeros, jnp.float32(0.0), jnp.float32(0.0), jnp.zeros_like(state.controller.ema_LH))
+    init = (zeros, jnp.float32(0.0), jnp.float32(0.0),
+            _no_lte() if ctrl is None else jnp.zeros_like(state.controller.ema_LH))
     (grads, ce_sum, sparse_sum, count_sum), _ = jax.lax.scan(
         accumulate, init, (tokens_ABT, labels_ABT, micro_keys))
     return grads, {"ce_sum": ce_sum, "sparsity_loss": sparse_sum / num_micro,
@@ -177,19 +193,28 @@ def make_train_step(graphdef: nnx.GraphDef, model_config: ModelConfig, config: T
   ctrl = controller_config(model_config, config)
   gradients = make_gradient_fn(graphdef, model_config, config,
                                micro_batch_sharding=micro_batch_sharding)
+  freeze_steps = config.lte_routing_freeze_steps
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     grads, stats = gradients(state, batch)
     step = state.step + 1  # 1-based, as the reference numbers its steps
+    frozen = state.step < freeze_steps
     controller = state.controller
     if ctrl is not None:
-      controller = update_controller(controller, stats["count_LH"], step, ctrl)
+      controller = update_controller(controller, stats["count_LH"], step - freeze_steps, ctrl)
+      if freeze_steps:
+        initial = init_controller(model_config.num_lte_layers, model_config.lte.num_kv_heads,
+                                  config.seq_len)
+        controller = jax.tree.map(lambda held, new: jnp.where(frozen, held, new), initial,
+                                  controller)
 
     clipped, grad_norm = opt_lib.clip_by_global_norm(grads, config.clip_norm)
     finite = jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(clipped, state.opt_state, state.params)
     lr = opt_lib.learning_rate(config, state.step)  # 0-based index of this optimizer step
     new_params = opt_lib.apply_updates(state.params, updates, lr)
+    if freeze_steps:
+      new_params = router_warmup.hold_routers(new_params, state.params, frozen)
     # Select, never blend: the old leaves come back bit for bit when the step is skipped.
     keep_new = lambda new, old: jnp.where(finite, new, old)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
@@ -204,8 +229,10 @@ def make_train_step(graphdef: nnx.GraphDef, model_config: ModelConfig, config: T
         "sparsity_loss": stats["sparsity_loss"], "grad_norm": grad_norm, "lr": lr,
         "skipped": skipped, "skipped_total": new_state.skipped_total,
         "skipped_consecutive": new_state.skipped_consecutive,
-        "scored_tokens": stats["num_scored"], "lte_lambda": controller.lambda_LH,
-        "lte_retained": stats["count_LH"], "lte_retained_ema": controller.ema_LH,
+        "scored_tokens": stats["num_scored"],
+        "lte_lambda": _no_lte() if controller is None else controller.lambda_LH,
+        "lte_retained": stats["count_LH"],
+        "lte_retained_ema": _no_lte() if controller is None else controller.ema_LH,
     }
     return new_state, metrics
 

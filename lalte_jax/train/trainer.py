@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lalte_jax.data import IGNORE_LABEL, MQARSource, PasskeySource, PretokenizedSource, make_dataset
+from lalte_jax.data import (IGNORE_LABEL, MQARSource, PasskeySource, PretokenizedSource,
+                            curricula, make_dataset)
 from lalte_jax.train import checkpointing, export, sharding
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
@@ -41,10 +42,16 @@ def make_source(config: TrainConfig, *, split: str):
   vocab_size = config.model_config().vocab_size
   seed = config.seed if split == "train" else config.seed + 1
   num_examples = config.num_train_examples if split == "train" else config.num_eval_examples
+  if config.curriculum is not None:
+    shape = curricula.TaskShape(seq_len=config.seq_len, vocab_size=vocab_size,
+                                num_kv_pairs=config.mqar_num_kv_pairs,
+                                min_gap=config.mqar_min_gap, prefix_len=config.mqar_prefix_len)
+    return curricula.curriculum_source(config.curriculum, shape, split=split, seed=seed,
+                                       num_examples=num_examples)
   if config.data == "mqar":
     return MQARSource(num_examples=num_examples, seq_len=config.seq_len, vocab_size=vocab_size,
                       num_kv_pairs=config.mqar_num_kv_pairs, min_gap=config.mqar_min_gap,
-                      seed=seed)
+                      prefix_len=config.mqar_prefix_len, seed=seed)
   if config.data == "passkey":
     return PasskeySource(num_examples=num_examples, seq_len=config.seq_len,
                          vocab_size=vocab_size, seed=seed)
@@ -70,10 +77,16 @@ class Trainer:
 
   def __init__(self, config: TrainConfig, *, mesh: jax.sharding.Mesh | None = None,
                state: TrainState | None = None, logger: MetricsLogger | None = None,
-               checkpoints: checkpointing.RunCheckpoints | None = None):
+               checkpoints: checkpointing.RunCheckpoints | None = None,
+               train_source=None, eval_source=None):
     """`state` (host or device arrays of any layout) is placed on this mesh's shardings; without
     it the state comes from the newest checkpoint in `checkpoints` (when `config.resume`), read
-    directly into this mesh's layout, or else is initialised from `config.seed`."""
+    directly into this mesh's layout, or else is initialised from `config.seed`.
+
+    `train_source` / `eval_source` (random-access sources, see `lalte_jax.data`) replace the
+    config's own (`make_source(config, split=...)`); a source with `read_in_order` set (a staged
+    curriculum) is read in order, any other is shuffled. Checkpoints save the position in the
+    training source, so a resumed run must be given the same one."""
     self.config = config
     self.model_config = config.model_config()
     self.mesh = mesh or sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
@@ -89,10 +102,13 @@ class Trainer:
     key = jax.random.key(config.seed)
     state_shapes = jax.eval_shape(init, key)
     self.state_shardings = sharding.train_state_shardings(state_shapes, self.mesh)
+    if train_source is None:
+      train_source = make_source(config, split="train")
+    self.eval_source = make_source(config, split="eval") if eval_source is None else eval_source
     self.data_iterator = make_dataset(
-        make_source(config, split="train"),
-        batch_size_per_process=config.global_batch_size // jax.process_count(), seed=config.seed,
-        shuffle=True, process_index=jax.process_index(), process_count=jax.process_count())
+        train_source, batch_size_per_process=config.global_batch_size // jax.process_count(),
+        seed=config.seed, shuffle=not getattr(train_source, "read_in_order", False),
+        process_index=jax.process_index(), process_count=jax.process_count())
     self.checkpoints = checkpoints
     self.resumed_from = None
     if state is None and checkpoints is not None and checkpoints.latest_step() is not None:
@@ -230,7 +246,7 @@ class Trainer:
     """Held-out recall accuracy (fraction of labelled positions predicted exactly, as
     `lalte_jax.data.score_recall`) and CE on those positions; {} for corpora."""
     config = self.config
-    source = make_source(config, split="eval")
+    source = self.eval_source
     if source is None:
       return {}
     rows = min(config.micro_batch_size, len(source))

@@ -98,8 +98,28 @@ def test_mqar_long_gap_puts_every_pair_beyond_min_gap():
   assert short_gaps > 0  # the plain task does query inside the window, so the check has teeth
 
 
+def test_mqar_filler_prefix_and_roles():
+  source = dataclasses.replace(_MQAR, seq_len=192, prefix_len=6, min_gap=47)
+  assert source.query_start == 6 + 2 * source.num_kv_pairs
+  for index in range(10):
+    tokens, labels = source[index]["tokens"], source[index]["labels"]
+    roles = source.roles(index)
+    np.testing.assert_array_equal(roles["query"], np.flatnonzero(labels != IGNORE_LABEL))
+    # Each query's value sits right after its key in the key-value region that follows the
+    # prefix, more than min_gap positions before the query.
+    np.testing.assert_array_equal(tokens[roles["value"]], labels[roles["query"]])
+    np.testing.assert_array_equal(tokens[roles["value"] - 1], tokens[roles["query"]])
+    assert (roles["value"] >= 7).all() and (roles["value"] < source.query_start).all()
+    assert (roles["query"] - roles["value"] > 47).all()
+    filler = roles["filler"]
+    assert filler[:6].all() and not filler[6:source.query_start].any()
+    assert not filler[roles["query"]].any()
+    assert filler.sum() == 192 - 2 * source.num_kv_pairs - source.num_kv_pairs
+
+
 @pytest.mark.parametrize("bad", [dict(num_kv_pairs=60), dict(seq_len=20), dict(min_gap=200),
-                                 dict(vocab_size=10), dict(seed=-1)])
+                                 dict(vocab_size=10), dict(seed=-1), dict(prefix_len=-1),
+                                 dict(prefix_len=100)])
 def test_mqar_rejects_impossible_configs(bad):
   with pytest.raises(ValueError, match="MQARSource"):
     dataclasses.replace(_MQAR, **bad)

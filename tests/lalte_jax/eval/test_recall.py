@@ -1,5 +1,5 @@
 """Synthetic recall evaluations: determinism, the long-gap property against each model's window,
-teacher-forced MQAR through the cached prefill, the training mixture."""
+teacher-forced MQAR through the cached prefill."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -63,40 +63,3 @@ def test_passkey_scores_exact_generated_values():
   completions = decoding.greedy_generate(model, [p for p, _ in prompts], 3)
   expected = np.mean([list(a) == c for (_, a), c in zip(prompts, completions)])
   assert result["accuracy"] == pytest.approx(100 * expected)
-
-
-def test_recall_curriculum_interleaves_its_tasks_deterministically():
-  mixture = recall.recall_curriculum(seq_len=128, vocab_size=256, num_kv_pairs=4, long_gap=40,
-                                     num_examples=30, seed=5)
-  again = recall.recall_curriculum(seq_len=128, vocab_size=256, num_kv_pairs=4, long_gap=40,
-                                   num_examples=30, seed=5)
-  assert len(mixture) == 30 and mixture.seq_len == 128
-  for i in range(6):
-    np.testing.assert_array_equal(mixture[i]["tokens"], again[i]["tokens"])
-    np.testing.assert_array_equal(mixture[i]["tokens"],
-                                  mixture.sources[i % 3][i // 3]["tokens"])
-  assert isinstance(mixture.sources[2], PasskeySource)
-  assert mixture.sources[1].min_gap == 40
-  with pytest.raises(ValueError, match="subset"):
-    recall.recall_curriculum(seq_len=128, vocab_size=256, num_kv_pairs=4, long_gap=40,
-                             num_examples=30, seed=5, tasks=("mqar", "nope"))
-
-
-def test_staged_curriculum_plays_short_gap_mqar_first_then_the_mixture():
-  curriculum = recall.recall_curriculum(seq_len=128, vocab_size=256, num_kv_pairs=4, long_gap=40,
-                                        num_examples=30, seed=5, warmup_examples=12)
-  warmup, mixture = curriculum.stages
-  assert isinstance(mixture, recall.RecallMixture) and warmup.min_gap == 0
-  assert len(curriculum) == 30 and curriculum.seq_len == 128
-  for i in range(12):
-    np.testing.assert_array_equal(curriculum[i]["tokens"], warmup[i]["tokens"])
-  for i in range(12, 30):
-    np.testing.assert_array_equal(curriculum[i]["tokens"], mixture[i - 12]["tokens"])
-  # The warm-up stream is not one of the mixture's streams.
-  assert not np.array_equal(warmup[0]["tokens"], mixture.sources[0][0]["tokens"])
-  with pytest.raises(IndexError):
-    curriculum[30]
-  with pytest.raises(ValueError, match="fewer than num_examples"):
-    recall.StagedCurriculum(curriculum.stages, (30,), 30)
-  with pytest.raises(ValueError, match="one count per stage"):
-    recall.StagedCurriculum(curriculum.stages, (), 30)

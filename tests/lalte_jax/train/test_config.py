@@ -70,11 +70,12 @@ def test_cli_rejects_unknown_key_before_any_work(capsys):
 
 
 def test_config_file_with_argument_selects_one_experiment_of_a_family():
-  config = load_config("repro/common:lalte", ["steps=700"])
+  config = load_config("repro/capacity:lalte_warmup", ["steps=700"])
   assert config.variant == "lalte" and config.steps == 700
-  assert config.model_config().layer_pattern == ("gdn", "lte", "gdn", "lte")
-  with pytest.raises(ValueError, match="variant"):
-    load_config("repro/common:mamba")
+  assert config.model_config().layer_pattern == ("gdn", "lte")
+  assert config.lte_routing_freeze_steps == 500
+  with pytest.raises(ValueError, match="mamba"):
+    load_config("repro/capacity:mamba")
 
 
 def test_metrics_log_drops_the_records_a_resumed_run_redoes(tmp_path):

@@ -1,0 +1,179 @@
+"""The capacity study: does learned eviction recall beyond its window with a constant cache?
+
+Models: one (GDN, mixer) pair of pre-norm blocks with SwiGLU MLPs (width 512), hidden 128,
+vocabulary 8192 (tied embeddings), the same init for all (the rescaled residual init of §1.4, the
+hybrid family's, so that the models differ in their mixers alone), bf16 compute.
+- GDN: 16 heads with an 8 x 8 state each (1024 numbers per layer), deliberately too small to hold
+  P = 96 associations: the GDN layer cannot answer the long-gap queries by itself.
+- Mixer: 4 query / 2 KV heads of 32 dims, with equal cache budgets of 192 slots:
+  `gdn_swa`: sliding window of 192 keys;
+  `lalte`: window w = 63 (64 keys) + cap b = 128 kept tokens per KV head, the 4 sinks included
+  (b / T = 12.5%, the paper's 512 / 4096), the paper's recipe (router active from step 1);
+  `lalte_warmup`: the same with a router warm-up of 500 steps (`FULL.router_warmup_steps`: every
+  token kept, no router gradient, then the controller starts; lalte_jax/train/router_warmup.py);
+  `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
+  at most 192 keys per query, plus its 64 compressed block summaries;
+  `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
+  `lalte_router_off` (a check, not in the main table): laLTE with the router off for the whole
+  run (every token kept), which must match gdn_attn, else the LTE attention path is wrong.
+Task: MQAR in the zoology format (keys from the first half of the vocabulary, values from the
+second) at T = 1024 for training and evaluation, P = 96 pairs after 8 filler tokens (so that the
+sinks hold no pair). Long gap: every query lies more than LONG_GAP = 191 positions after
+its pair, beyond every window (the SWA window of 192 keys, current included). Control: P = 8, the
+same gap, which every model's GDN state or attention should solve.
+Training: the "capacity" curriculum (lalte_jax/data/curricula.py): a third each of short-gap MQAR
+with 32 pairs, short-gap with 96 and long-gap with 96; batches of 16 x 1024 tokens; AdamW as the
+paper (§8.1) with a linear lr warm-up of 300 steps and a cosine to 0.1x. This warm-up makes the
+cumulative lr at the end of the warm-up at lr 1e-3 (1e-3 x 300 / 2 = 0.15) equal the paper's
+(3e-4 x 1024 / 2 = 0.15): with Adam every weight moves by about lr per step whatever its
+gradient, so this is when the router could have evicted everything in the paper too.
+Sweep: LEARNING_RATES with seed 0; then SEEDS at the learning rate chosen per model on a held-out
+capped evaluation (tools/repro.py). The numbers are a starting point; a change needs a measured
+reason in docs/results.md.
+
+One run alone: `python -m lalte_jax.train --config repro/capacity:lalte` (any name of MODELS or
+CHECKS; `--set lr=...`, `--set seed=...`, `--set mqar_num_kv_pairs=8` for the control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lalte_jax.data.synthetic import MQARSource
+from lalte_jax.train.config import TrainConfig
+
+MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lansa")
+ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
+CHECKS = (ROUTER_OFF,)
+ALL_MODELS = MODELS + CHECKS
+SEQ_LEN = 1024
+NUM_KV_PAIRS = 96
+CONTROL_KV_PAIRS = 8
+PREFIX_LEN = 8
+LONG_GAP = 191  # SWA window of 192 keys - 1 (MQARSource docstring); beyond laLTE's 64 and NSA's 64
+LEARNING_RATES = (1e-3, 3e-3)
+SEEDS = (0, 1, 2)
+BASE_SEED = 42  # seed index s trains with TrainConfig.seed = BASE_SEED + s (init and data)
+STEPS = 2000
+CONTROL_STEPS = 1000
+# Held-out long-gap MQAR, never trained on (the training streams use seeds 16 * (42 + s) + i):
+# "select" picks each model's learning rate by its capped accuracy, "test" is what the study
+# reports. `probe_examples` of "select" measure dCE/dscore during training.
+EVAL_SEEDS = {"select": 4321, "test": 1234}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """Sizes that the smoke scale shrinks (everything else is the study's)."""
+  seq_len: int
+  prefix_len: int
+  long_gap: int
+  batch: int
+  warmup_steps: int
+  router_warmup_steps: int
+  max_steps: int | None  # None: the run's own
+  max_pairs: int | None
+  log_every: int
+  checkpoint_every: int
+  num_eval_examples: int  # the trainer's own held-out set (uncapped, at the end of training)
+  lte_update_every: int  # the controller's period u (§4.6)
+  select_examples: int  # held-out examples of each split of EVAL_SEEDS
+  test_examples: int
+  probe_examples: int
+
+
+FULL = Scale(seq_len=SEQ_LEN, prefix_len=PREFIX_LEN, long_gap=LONG_GAP, batch=16,
+             warmup_steps=300, router_warmup_steps=500, max_steps=None, max_pairs=None,
+             log_every=25, checkpoint_every=250, num_eval_examples=256, lte_update_every=32,
+             select_examples=256, test_examples=512, probe_examples=16)
+# Tests and `tools/repro.py --smoke`: the same structure shrunk until a CPU trains it in seconds;
+# it checks the pipeline, not the science.
+SMOKE = Scale(seq_len=64, prefix_len=4, long_gap=23, batch=4, warmup_steps=1,
+              router_warmup_steps=2, max_steps=4, max_pairs=6, log_every=1, checkpoint_every=2,
+              num_eval_examples=8, lte_update_every=2, select_examples=4, test_examples=4,
+              probe_examples=2)
+
+_SHARED = {"num_layers": 2, "hidden_size": 128, "vocab_size": 8192, "intermediate_size": 512,
+           "rescale_prenorm_residual": True, "gdn.num_heads": 16, "gdn.head_dim": 8}
+_HEADS = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+# model: (preset variant, mixer kind, mixer fields)
+_MIXER = {
+    "gdn_attn": ("gdn_attn", "attention", {}),
+    "gdn_swa": ("gdn_swa", "attention", {"window_size": 192}),
+    "lalte": ("lalte", "lte", {"window": 63, "cap": 128}),
+    "lansa": ("lansa", "nsa", {"window_size": 64, "block_size": 16, "block_count": 8}),
+}
+_MIXER["lalte_warmup"] = _MIXER["lalte_router_off"] = _MIXER["lalte"]
+_SMOKE_SHARED = {"hidden_size": 32, "vocab_size": 128, "intermediate_size": 64,
+                 "gdn.num_heads": 4, "gdn.head_dim": 8}
+_SMOKE_HEADS = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16}
+_SMOKE_MIXER = {"gdn_attn": {}, "gdn_swa": {"window_size": 24}, "lalte": {"window": 15, "cap": 8},
+                "lansa": {"window_size": 16, "block_size": 8, "block_count": 3}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One training run of the study: a model, its learning rate, seed index, pairs and steps."""
+  model: str
+  lr: float
+  seed: int
+  pairs: int = NUM_KV_PAIRS
+  steps: int = STEPS
+
+  def __post_init__(self):
+    if self.model not in ALL_MODELS:
+      raise ValueError(f"RunSpec.model: {self.model!r} is not one of {ALL_MODELS}")
+    if self.lr <= 0 or self.seed < 0 or self.pairs <= 0 or self.steps <= 0:
+      raise ValueError(f"RunSpec: lr, pairs and steps must be positive and seed >= 0: {self}")
+
+  @property
+  def name(self) -> str:
+    return f"{self.model}_p{self.pairs}_lr{self.lr:g}_s{self.seed}"
+
+
+def model_overrides(model: str, *, smoke: bool = False) -> dict:
+  """The ModelConfig changes of `model` (one of ALL_MODELS) on top of its tiny preset."""
+  variant, kind, mixer = _MIXER[model]
+  overrides = dict(_SHARED, **(_SMOKE_SHARED if smoke else {}))
+  fields = dict(_SMOKE_HEADS, **_SMOKE_MIXER[variant]) if smoke else dict(_HEADS, **mixer)
+  overrides.update({f"{kind}.{name}": value for name, value in fields.items()})
+  overrides["layer_pattern"] = ("gdn", kind)
+  return overrides
+
+
+def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) -> TrainConfig:
+  """The TrainConfig of one run (`smoke`: the SMOKE scale, for a CPU)."""
+  scale = SMOKE if smoke else FULL
+  steps = min(spec.steps, scale.max_steps or spec.steps)
+  freeze = {"lalte_warmup": min(scale.router_warmup_steps, steps),
+            ROUTER_OFF: steps}.get(spec.model, 0)
+  return TrainConfig(
+      variant=_MIXER[spec.model][0], size="tiny", model_dtype="bfloat16",
+      model_overrides=model_overrides(spec.model, smoke=smoke),
+      data="curriculum:capacity", seq_len=scale.seq_len,
+      mqar_num_kv_pairs=min(spec.pairs, scale.max_pairs or spec.pairs),
+      mqar_min_gap=scale.long_gap, mqar_prefix_len=scale.prefix_len,
+      num_train_examples=1_000_000, num_eval_examples=scale.num_eval_examples,
+      global_batch_size=scale.batch, steps=steps,
+      warmup_steps=min(scale.warmup_steps, steps - 1), lr=spec.lr, lr_min_ratio=0.1,
+      lte_update_every=scale.lte_update_every, lte_routing_freeze_steps=freeze,
+      seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",
+      log_every=scale.log_every, eval_batches=4, checkpoint_every=scale.checkpoint_every,
+      checkpoint_keep=1, tensorboard=False, progress_bar=False)
+
+
+def eval_source(spec: RunSpec, split: str, *, smoke: bool = False) -> MQARSource:
+  """The held-out long-gap MQAR examples of `split` ("select" or "test") for the run `spec`."""
+  if split not in EVAL_SEEDS:
+    raise ValueError(f"split: {split!r} is not one of {sorted(EVAL_SEEDS)}")
+  config = study_config(spec, smoke=smoke)
+  scale = SMOKE if smoke else FULL
+  return MQARSource(num_examples=getattr(scale, f"{split}_examples"),
+                    seq_len=config.seq_len, vocab_size=config.model_config().vocab_size,
+                    num_kv_pairs=config.mqar_num_kv_pairs, min_gap=config.mqar_min_gap,
+                    prefix_len=config.mqar_prefix_len, seed=EVAL_SEEDS[split])
+
+
+def get_config(model: str = "lalte") -> TrainConfig:
+  """`python -m lalte_jax.train --config repro/capacity:<model>` (seed 0, lr 1e-3, P = 96)."""
+  return study_config(RunSpec(model, LEARNING_RATES[0], 0))

@@ -1,0 +1,56 @@
+"""Router warm-up (the reference's `routing_freeze_steps`, 0 in the paper's runs).
+
+With `TrainConfig.lte_routing_freeze_steps = N`, during the first N optimizer steps:
+- every LTE layer keeps every token, so its training mask is plain causal attention. The forward
+  pass sees each router's output bias replaced by `ROUTER_OFF_LOGIT`: every logit is then so
+  large that sigmoid(logit) rounds to 1 in float32 and every score is +0.5 (kept, §4.2). The
+  derivative of the sigmoid there, s (1 - s), is exactly 0, so the straight-through gradient
+  dL/dscore (§4.3) reaches neither the router's weights nor, through the router's input, the key
+  and value projections: the router learns nothing while attention learns to use every token;
+- the router's parameters are not updated at all (weight decay included);
+- the sparsity controller stays at its initial state (lambda 0, EMA = seq_len, §4.6); from step
+  N + 1 on it runs as in a fresh run, its step k - N playing the role of k.
+The same override evaluates a model with its router off (`keep_every_token(params, True)`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Added to nothing, replacing the router's output bias: far beyond where sigmoid saturates in
+# float32 (|x| > ~17), and exactly representable in bfloat16 (the logits are computed in the
+# model's dtype).
+ROUTER_OFF_LOGIT = 8192.0
+ROUTER_MODULE = "router"
+ROUTER_OUTPUT_BIAS = "proj_bias"
+
+
+def _names(path) -> tuple:
+  return tuple(getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
+               for key in path)
+
+
+def is_router_parameter(path) -> bool:
+  """Whether the leaf at `path` (of an nnx pure-dict parameter tree) belongs to an LTE router."""
+  return ROUTER_MODULE in _names(path)
+
+
+def keep_every_token(params: dict, active: jax.Array | bool) -> dict:
+  """`params` with every LTE router's output bias replaced by ROUTER_OFF_LOGIT where `active`
+  (a traced or Python bool): the model then keeps every token and passes no gradient to its
+  routers. Other leaves are returned as they are."""
+  def override(path, leaf):
+    names = _names(path)
+    if ROUTER_MODULE in names and names[-1] == ROUTER_OUTPUT_BIAS:
+      return jnp.where(active, jnp.asarray(ROUTER_OFF_LOGIT, leaf.dtype), leaf)
+    return leaf
+  return jax.tree_util.tree_map_with_path(override, params)
+
+
+def hold_routers(new_tree, old_tree, active: jax.Array | bool):
+  """`new_tree` with the router leaves of `old_tree` where `active`: the routers stay frozen.
+  Works for the parameters and for any tree of their structure (optimizer moments)."""
+  def select(path, new, old):
+    return jnp.where(active, old, new) if is_router_parameter(path) else new
+  return jax.tree_util.tree_map_with_path(select, new_tree, old_tree)

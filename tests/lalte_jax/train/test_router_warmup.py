@@ -1,0 +1,111 @@
+"""The router warm-up (`lte_routing_freeze_steps`): every token kept, no router gradient or
+update, the controller held and then started from its initial state; and a Trainer given its
+training source."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lalte_jax.config import get_model_config
+from lalte_jax.data import MQARSource, curricula
+from lalte_jax.model import HybridLM
+from lalte_jax.train import router_warmup
+from lalte_jax.train.config import TrainConfig
+from lalte_jax.train.lte_controller import ControllerConfig
+from lalte_jax.train.trainer import Trainer
+
+
+def _leaves(tree) -> dict:
+  return {jax.tree_util.keystr(path): (path, np.asarray(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_keep_every_token_overrides_only_the_router_output_bias():
+  params = {"groups": {"blocks": {1: {"mixer": {"router": {"proj_bias": jnp.full((1, 2), 0.5),
+                                                           "proj_weight": jnp.ones((1, 2, 4))},
+                                              "o_proj": jnp.ones(3)}}}}}
+  on = _leaves(router_warmup.keep_every_token(params, jnp.asarray(True)))
+  off = _leaves(router_warmup.keep_every_token(params, jnp.asarray(False)))
+  for name, (path, value) in _leaves(params).items():
+    expected = router_warmup.ROUTER_OFF_LOGIT if name.endswith("['proj_bias']") else value
+    np.testing.assert_array_equal(on[name][1], np.broadcast_to(expected, value.shape))
+    np.testing.assert_array_equal(off[name][1], value)
+    assert router_warmup.is_router_parameter(path) == ("['router']" in name)
+  new = jax.tree.map(lambda x: x + 1, params)
+  held = _leaves(router_warmup.hold_routers(new, params, jnp.asarray(True)))
+  for name, (path, value) in _leaves(params).items():
+    np.testing.assert_array_equal(held[name][1], value if "['router']" in name else value + 1)
+
+
+@pytest.mark.slow
+def test_every_token_kept_is_causal_attention_and_retains_every_position():
+  seq_len = 40
+  config = get_model_config("lalte-tiny").replace(dtype="float32", init_std=0.2)
+  # A window as long as the sequence: nothing is ever evicted.
+  full_window = config.replace(lte=dataclasses.replace(config.lte, window=seq_len - 1))
+  evicting, reference = (HybridLM(c, rngs=nnx.Rngs(0)) for c in (config, full_window))
+  graphdef, params = nnx.split(evicting, nnx.Param)
+  forced = router_warmup.keep_every_token(nnx.to_pure_dict(params), True)
+  nnx.replace_by_pure_dict(params, forced)
+  tokens = jax.random.randint(jax.random.key(1), (2, seq_len), 1, config.vocab_size)
+  logits, aux = nnx.merge(graphdef, params)(tokens, return_aux=True)
+  np.testing.assert_allclose(logits, reference(tokens), rtol=2e-5, atol=2e-5)
+  assert (np.asarray(aux.lte_scores) == 0.5).all()
+  np.testing.assert_array_equal(aux.lte_retained, seq_len - config.lte.router_margin)
+  # Without the override the router evicts some of these positions, so the check has teeth.
+  _, plain = evicting(tokens, return_aux=True)
+  assert (np.asarray(plain.lte_scores) <= 0).any()
+
+
+@pytest.mark.slow
+def test_warmup_freezes_the_router_and_restarts_the_controller(tmp_path):
+  # An odd warm-up with u = 2: counted from the start, lambda would move at step 4; counted
+  # from the end of the warm-up, it moves at step 5.
+  seq_len, freeze, period = 32, 3, 2
+  config = TrainConfig(variant="lalte", size="tiny", model_dtype="float32", data="mqar",
+                       seq_len=seq_len, mqar_num_kv_pairs=2, global_batch_size=2, steps=6,
+                       warmup_steps=1, lr=1e-2, lte_update_every=period,
+                       lte_routing_freeze_steps=freeze, output_dir=str(tmp_path),
+                       tensorboard=False, progress_bar=False)
+  # The trainer reads a staged curriculum it is given in order: its first batch is elements 0, 1.
+  source = curricula.StagedCurriculum(
+      tuple(MQARSource(num_examples=64, seq_len=seq_len, vocab_size=256, num_kv_pairs=2,
+                       seed=seed) for seed in (7, 8)), (4,), 64)
+  trainer = Trainer(config, train_source=source)
+  margin = trainer.model_config.lte.router_margin
+  initial = _leaves(trainer.state.params)
+  ctrl = ControllerConfig(cap=trainer.model_config.lte.cap, update_every=period)
+  a = ctrl.ema_weight
+  first = next(trainer.data_iterator)
+  np.testing.assert_array_equal(first["tokens"], np.stack([source[0]["tokens"],
+                                                           source[1]["tokens"]]))
+  for step in range(1, freeze + 3):
+    metrics = trainer.train_step(first if step == 1 else next(trainer.data_iterator))
+    params, controller = _leaves(trainer.state.params), trainer.state.controller
+    mu = _leaves(trainer.state.opt_state[0].mu)
+    router = [name for name, (path, _) in params.items()
+              if router_warmup.is_router_parameter(path)]
+    count = np.asarray(metrics["lte_retained"])
+    if step <= freeze:  # every token kept; no gradient, no update; the controller held
+      np.testing.assert_array_equal(count, seq_len - margin)
+      assert all((params[n][1] == initial[n][1]).all() for n in router)
+      assert all((mu[n][1] == 0).all() for n in router)
+      assert not all((params[n][1] == initial[n][1]).all() for n in params if n not in router)
+      np.testing.assert_array_equal(controller.lambda_LH, 0.0)
+      np.testing.assert_array_equal(controller.ema_LH, float(seq_len))
+    elif step == freeze + 1:  # the router learns; the controller's step 1 from its start
+      assert any((mu[n][1] != 0).any() for n in router)
+      assert any((params[n][1] != initial[n][1]).any() for n in router)
+      ema = (1 - a) * seq_len + a * count
+      np.testing.assert_allclose(controller.ema_LH, ema, rtol=1e-6)
+      np.testing.assert_array_equal(controller.lambda_LH, 0.0)
+    else:  # its step u: the first lambda update (lambda_init where the count is large)
+      ema = (1 - a) * ema + a * count
+      np.testing.assert_allclose(controller.ema_LH, ema, rtol=1e-6)
+      expected = np.where(ema > ctrl.tolerance_low * ctrl.cap, ctrl.lambda_init, 0.0)
+      assert expected.any()  # at init most tokens are kept, far above the cap
+      np.testing.assert_allclose(controller.lambda_LH, expected, rtol=1e-6)

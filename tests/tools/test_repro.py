@@ -1,0 +1,204 @@
+"""tools/repro.py and its helpers: the plan, skipping finished runs, the report's checks, packing
+the state for another machine, and one smoke run that resumes a partly trained run."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_tool(name):
+  if str(ROOT / "tools") not in sys.path:  # the tools import each other by name
+    sys.path.insert(0, str(ROOT / "tools"))
+  spec = importlib.util.spec_from_file_location(f"_tool_{name}", ROOT / "tools" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def fake_record(model, lr, seed=0, pairs=96, steps=2000, select=50.0, test=None, lte=False):
+  """A records.json of tools/repro_run.py with the numbers the report reads."""
+  test = dict(test or {"capped_accuracy": select, "uncapped_accuracy": select})
+  if lte:
+    test.setdefault("availability_capped", 95.0)
+    test.setdefault("availability_uncapped", 97.0)
+    test.update(value_retention=[[0.9, 0.8]], filler_retention=[[0.05, 0.03]],
+                kept_count_max=[[100, 90]], free_slots=124, cap=128)
+  return {"name": f"{model}_p{pairs}_lr{lr:g}_s{seed}", "model": model, "lr": lr, "seed": seed,
+          "pairs": pairs, "steps": steps, "device": "test",
+          "select": {"capped_accuracy": select, "uncapped_accuracy": select}, "test": test,
+          "train": {"train_s": 1.0}}
+
+
+def write_records(out: pathlib.Path, records) -> None:
+  for record in records:
+    directory = out / "runs" / record["name"]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "records.json").write_text(json.dumps(record))
+
+
+def test_plan_sweeps_then_runs_seeds_and_controls_at_the_chosen_lr(tmp_path):
+  repro = load_tool("repro")
+  args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn,lalte_router_off",
+                           "--lrs", "1e-3,3e-3", "--seeds", "0,1"])
+  assert [s.name for s in repro.plan(args, [])] == [
+      "gdn_attn_p96_lr0.001_s0", "gdn_attn_p96_lr0.003_s0", "lalte_router_off_p96_lr0.001_s0",
+      "lalte_router_off_p96_lr0.003_s0"]
+  # One lr finished: nothing is chosen yet; both: the better held-out capped accuracy wins.
+  records = [fake_record("gdn_attn", 1e-3, select=70.0)]
+  assert len(repro.plan(args, records)) == 4
+  records.append(fake_record("gdn_attn", 3e-3, select=60.0))
+  names = [s.name for s in repro.plan(args, records)]
+  assert names[4:] == ["gdn_attn_p96_lr0.001_s1", "gdn_attn_p8_lr0.001_s0"]
+  # The scheduler leaves out finished runs and the runs that failed in this invocation.
+  write_records(tmp_path, records)
+  scheduler = repro.Scheduler(args, tmp_path)
+  scheduler.failed.add("lalte_router_off_p96_lr0.001_s0")
+  assert [s.name for s in scheduler.pending()] == [
+      "lalte_router_off_p96_lr0.003_s0", "gdn_attn_p96_lr0.001_s1", "gdn_attn_p8_lr0.001_s0"]
+  with pytest.raises(SystemExit):
+    repro.parse_args(["--models", "mamba"])
+
+
+def test_report_checks_pass_fail_and_missing():
+  report = load_tool("repro_report")
+  records = [fake_record("gdn_attn", lr, seed=s, select=92.0 + s) for lr in (1e-3, 3e-3)
+             for s in (0, 1, 2)]
+  records += [fake_record("gdn_swa", 1e-3, select=30.0), fake_record("gdn_swa", 3e-3, select=35.0)]
+  records += [fake_record("lalte", lr, lte=True, select=88.0,
+                          test={"capped_accuracy": 88.0, "uncapped_accuracy": 99.0})
+              for lr in (1e-3, 3e-3)]
+  records += [fake_record("lalte_router_off", 1e-3, select=80.0,
+                          test={"uncapped_accuracy": 80.0})]
+  payload = report.summarize(records, models=("gdn_attn", "gdn_swa", "lalte"),
+                             lrs=(1e-3, 3e-3), seeds=(0, 1, 2), steps=2000, control_steps=1000)
+  assert payload["chosen_lr"] == {"gdn_attn": 1e-3, "gdn_swa": 3e-3, "lalte": 1e-3}
+  attn = payload["rows"]["gdn_attn"]
+  assert attn["seeds"] == [0, 1, 2] and attn["capped"]["mean"] == pytest.approx(93.0)
+  status = {c["check"]: c["status"] for c in payload["checks"]}
+  assert status["GDN+Attn >= 90% (long-gap P=96)"] == "pass"
+  assert status["GDN+SWA <= 40% at laLTE's cache budget"] == "pass"
+  assert status["lalte within 10 points of GDN+Attn (capped)"] == "pass"
+  assert status["lalte capped within 3 points of uncapped"] == "fail"
+  assert status["lalte availability >= 90%"] == "pass"
+  assert status["lalte filler retention <= 10%"] == "pass"  # 4% (mean of 5% and 3%)
+  assert status["lalte_warmup availability >= 90%"] == "missing"
+  assert status["P=8 control >= 90% for every model"] == "missing"
+  assert status["router off (every token kept) equals GDN+Attn within 3 points"] == "fail"
+  assert status["lalte: no high availability (>= 95%) with capped far (> 10) below uncapped"] \
+      == "fail"
+  markdown = report.markdown(payload, "test device")
+  assert "| gdn_attn | 0.001 | 0,1,2 | 93.0 ± 0.8 |" in markdown
+
+
+def _random_file(path: pathlib.Path, size: int) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_bytes(np.random.default_rng(len(str(path))).bytes(size))
+
+
+def test_state_packs_small_parts_and_unpacks_what_a_later_invocation_needs(tmp_path):
+  state = load_tool("repro_state")
+  study, mib = tmp_path / "study", 1 << 20
+  (study / "results.md").parent.mkdir(parents=True)
+  (study / "results.md").write_text("tables")
+  finished, ahead, behind = (study / "runs" / name for name in ("done", "ahead", "behind"))
+  for run, step in ((finished, 20), (ahead, 12), (behind, 4)):
+    (run / "metrics.jsonl").parent.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(f'{{"step": {step}}}\n')
+    _random_file(run / "checkpoints" / str(step) / "state" / "data", int(1.5 * mib))
+    _random_file(run / "export" / "params", mib)
+  (finished / "records.json").write_text("{}")
+  (ahead / "checkpoints" / "8.orbax-checkpoint-tmp-1").mkdir()  # an unfinished save
+  parts = state.pack(study, tmp_path / "out" / "state.tar.gz", part_mib=0.5, max_parts=4)
+  assert all(p.stat().st_size <= mib // 2 for p in parts) and 3 <= len(parts) <= 4
+  assert [p.name for p in parts] == [f"state.tar.gz.{i:02d}of{len(parts):02d}"
+                                     for i in range(len(parts))]
+  (tmp_path / "out" / "state.tar.gz.00of09").write_bytes(b"stale")  # an incomplete other set
+  restored = tmp_path / "restored"
+  assert state.main(["unpack", str(tmp_path / "out" / "state.tar.gz"), str(restored)]) == 0
+  files = {str(p.relative_to(restored)) for p in restored.rglob("*") if p.is_file()}
+  # The finished run needs no checkpoint; only the more advanced unfinished run's fits 2 MiB.
+  assert files == {"results.md", "runs/done/metrics.jsonl", "runs/done/records.json",
+                   "runs/ahead/metrics.jsonl", "runs/ahead/checkpoints/12/state/data",
+                   "runs/behind/metrics.jsonl"}
+  original = ahead / "checkpoints" / "12" / "state" / "data"
+  assert (restored / "runs/ahead/checkpoints/12/state/data").read_bytes() == \
+      original.read_bytes()
+  assert state.main(["unpack", str(tmp_path / "nothing"), str(restored)]) == 2
+
+
+@pytest.mark.slow
+def test_smoke_study_resumes_a_partly_trained_run_then_skips_it(tmp_path, capsys):
+  repro, repro_run = load_tool("repro"), load_tool("repro_run")
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train import checkpointing  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  spec = capacity.RunSpec("lalte_warmup", 1e-3, 0)
+  run_dir = tmp_path / "runs" / spec.name
+  # A run cut after 2 of its 4 smoke steps: its checkpoint is all a later invocation gets.
+  partial = capacity.study_config(spec, output_dir=str(run_dir), smoke=True).replace(steps=2)
+  checkpoints = checkpointing.RunCheckpoints.for_run(partial)
+  Trainer(partial, checkpoints=checkpoints).run()
+  checkpoints.close()
+  repro_run.write_spec(run_dir, spec, smoke=True)
+  args = ["--smoke", "--out", str(tmp_path), "--models", "lalte_warmup", "--lrs", "1e-3",
+          "--seeds", "0", "--control-steps", "0"]
+  payload = repro.main(args)
+  assert "resumed from" in (run_dir / "log.txt").read_text()
+  steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text(
+      ).splitlines()]
+  assert steps == [1, 2, 3, 4]
+  (record,) = payload["runs"]
+  assert record["name"] == spec.name and record["trained_steps"] == 4
+  assert 0 <= record["test"]["capped_accuracy"] <= 100
+  assert len(record["test"]["value_retention"]) == 1  # one LTE layer
+  assert payload["chosen_lr"] == {"lalte_warmup": 1e-3} and payload["pending"] == []
+  assert "## Checks" in (tmp_path / "results.md").read_text()
+  capsys.readouterr()
+  again = repro.main(args)  # finished: nothing starts
+  assert "start " not in capsys.readouterr().out and again["runs"] == payload["runs"]
+  assert repro.main(args + ["--report-only"])["checks"] == payload["checks"]
+  pytest.importorskip("matplotlib")
+  written = load_tool("plot_results").main(["--results", str(tmp_path)])
+  assert sorted(p.name for p in written) == [
+      "accuracy_by_model.png", "availability.png", "lte_controller.png", "retention_heatmap.png",
+      "training_loss.png"]
+  assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_study_settings_give_every_windowed_model_the_same_budget():
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  models = {m: capacity.study_config(capacity.RunSpec(m, 1e-3, 0)).model_config()
+            for m in capacity.ALL_MODELS}
+  for model in models.values():
+    assert (model.hidden_size, model.vocab_size, model.layer_pattern[0]) == (128, 8192, "gdn")
+    assert model.num_layers == 2 and model.gdn.num_heads * model.gdn.head_dim ** 2 == 16 * 8 * 8
+  lte, swa, nsa = models["lalte"].lte, models["gdn_swa"].attention, models["lansa"].nsa
+  assert lte.window_keys + lte.cap == swa.window_size == 192
+  assert nsa.window_size + nsa.block_count * nsa.block_size == 192
+  assert models["gdn_attn"].attention.window_size is None
+  # Every long-gap pair is beyond every window, and the filler prefix covers the sinks.
+  assert capacity.LONG_GAP >= max(swa.window_size - 1, lte.window, nsa.window_size - 1)
+  assert capacity.PREFIX_LEN >= lte.num_sinks
+  config = capacity.study_config(capacity.RunSpec("lalte_warmup", 3e-3, 2))
+  assert (config.lr, config.seed, config.lte_routing_freeze_steps) == (3e-3, 44, 500)
+  assert capacity.study_config(capacity.RunSpec("lalte", 1e-3, 0)).lte_routing_freeze_steps == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gdn_swa", "lansa", "lalte_router_off"])
+def test_study_settings_train_and_checkpoint_a_few_steps(tmp_path, model):
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train import checkpointing  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  config = capacity.study_config(capacity.RunSpec(model, 1e-3, 0, steps=2),
+                                 output_dir=str(tmp_path), smoke=True)
+  checkpoints = checkpointing.RunCheckpoints.for_run(config)
+  summary = Trainer(config, checkpoints=checkpoints).run()
+  checkpoints.close()
+  assert np.isfinite(summary["final_loss"]) and checkpoints.latest_step() == 2

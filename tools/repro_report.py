@@ -1,0 +1,239 @@
+"""The capacity study's report: the learning rate chosen per model, the tables and the checks.
+
+Reads the `records.json` of every finished run under `<out>/runs/` (tools/repro_run.py) and
+builds `results.json` / `results.md`:
+- per model (lalte_jax/configs/repro/capacity.py MODELS) the learning rate with the best capped
+  accuracy on the held-out "select" split among its seed-0 sweep runs (uncapped for a run whose
+  router was off), once every learning rate of the sweep has finished;
+- the main table: test accuracy at that lr over the seeds (mean, std, each seed), capped and
+  uncapped, and for LTE models availability, retention and kept counts; the P = 8 control;
+- the acceptance checks of the study and the falsification checks (`checks`), each "pass",
+  "fail" or "missing" (not enough runs yet) with the numbers it compared.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+
+from lalte_jax.configs.repro import capacity
+
+RUNS_DIR = "runs"
+LTE_MODELS = ("lalte", "lalte_warmup")
+
+
+def load_records(out: pathlib.Path) -> list[dict]:
+  """Every finished run's records under `out/runs`, in name order."""
+  return [json.loads(path.read_text()) for path in sorted((out / RUNS_DIR).glob("*/records.json"))]
+
+
+def selection_accuracy(record: dict) -> float:
+  split = record["select"]
+  return split.get("capped_accuracy", split["uncapped_accuracy"])
+
+
+def choose_lrs(records: list[dict], models, lrs, pairs: int, steps: int) -> dict[str, float]:
+  """{model: lr} for the models whose seed-0 runs at every lr of `lrs` have finished."""
+  chosen = {}
+  for model in models:
+    sweep = {r["lr"]: r for r in records if r["model"] == model and r["seed"] == 0
+             and r["pairs"] == pairs and r["steps"] == steps}
+    if all(lr in sweep for lr in lrs):
+      chosen[model] = max(lrs, key=lambda lr: selection_accuracy(sweep[lr]))
+  return chosen
+
+
+def _stats(values: list[float]) -> dict:
+  return {"mean": statistics.fmean(values), "std": statistics.pstdev(values),
+          "values": values} if values else {}
+
+
+def _mean_lh(rows) -> float:
+  """Mean of a [L][H] list."""
+  return statistics.fmean(v for row in rows for v in row)
+
+
+def model_row(model: str, lr: float, runs: list[dict], controls: list[dict]) -> dict:
+  """The main-table row of `model` from its test records at the chosen lr."""
+  tests = [r["test"] for r in runs]
+  row = {"model": model, "lr": lr, "seeds": sorted(r["seed"] for r in runs),
+         "capped": _stats([t["capped_accuracy"] for t in tests if "capped_accuracy" in t]),
+         "uncapped": _stats([t["uncapped_accuracy"] for t in tests]),
+         "control": _stats([c["test"].get("capped_accuracy", c["test"]["uncapped_accuracy"])
+                            for c in controls])}
+  if tests and "availability_capped" in tests[0]:
+    row.update(
+        availability_capped=_stats([t["availability_capped"] for t in tests]),
+        availability_uncapped=_stats([t["availability_uncapped"] for t in tests]),
+        filler_retention=_stats([100 * _mean_lh(t["filler_retention"]) for t in tests]),
+        value_retention=_stats([100 * _mean_lh(t["value_retention"]) for t in tests]),
+        kept_count_max=max(max(max(row) for row in t["kept_count_max"]) for t in tests),
+        free_slots=tests[0]["free_slots"])
+  return row
+
+
+def _check(name: str, ok: bool | None, detail: str) -> dict:
+  return {"check": name, "status": "missing" if ok is None else ("pass" if ok else "fail"),
+          "detail": detail}
+
+
+def _mean(row: dict | None, key: str) -> float | None:
+  return (row or {}).get(key, {}).get("mean")
+
+
+def acceptance_checks(rows: dict[str, dict]) -> list[dict]:
+  """The study's targets on the main table (means over the seeds at the chosen lr)."""
+  attn, swa = _mean(rows.get("gdn_attn"), "capped"), _mean(rows.get("gdn_swa"), "capped")
+  checks = [
+      _check("GDN+Attn >= 90% (long-gap P=96)", None if attn is None else attn >= 90,
+             f"{attn}"),
+      _check("GDN+SWA <= 40% at laLTE's cache budget", None if swa is None else swa <= 40,
+             f"{swa}"),
+  ]
+  for model in LTE_MODELS:
+    row = rows.get(model)
+    capped, uncapped = _mean(row, "capped"), _mean(row, "uncapped")
+    available, filler = _mean(row, "availability_capped"), _mean(row, "filler_retention")
+    checks += [
+        _check(f"{model} within 10 points of GDN+Attn (capped)",
+               None if None in (capped, attn) else attn - capped <= 10, f"{capped} vs {attn}"),
+        _check(f"{model} capped within 3 points of uncapped",
+               None if None in (capped, uncapped) else uncapped - capped <= 3,
+               f"{capped} vs {uncapped}"),
+        _check(f"{model} availability >= 90%", None if available is None else available >= 90,
+               f"{available}"),
+        _check(f"{model} filler retention <= 10%", None if filler is None else filler <= 10,
+               f"{filler}"),
+    ]
+  controls = {model: _mean(row, "control") for model, row in rows.items()}
+  missing = [m for m in capacity.MODELS if controls.get(m) is None]
+  checks.append(_check("P=8 control >= 90% for every model",
+                       None if missing else all(v >= 90 for v in controls.values()),
+                       json.dumps(controls)))
+  return checks
+
+
+def falsification_checks(records: list[dict], rows: dict[str, dict]) -> list[dict]:
+  """Where laLTE could fail for a wrong implementation rather than for the setting."""
+  checks = []
+  attn = {r["lr"]: r for r in records if r["model"] == "gdn_attn" and r["seed"] == 0
+          and r["pairs"] == capacity.NUM_KV_PAIRS}
+  off = {r["lr"]: r for r in records if r["model"] == capacity.ROUTER_OFF and r["seed"] == 0}
+  common = sorted(set(attn) & set(off))
+  if common:
+    pairs = {lr: (off[lr]["test"]["uncapped_accuracy"],
+                  attn[lr]["test"].get("capped_accuracy", attn[lr]["test"]["uncapped_accuracy"]))
+             for lr in common}
+    best = max(common, key=lambda lr: pairs[lr][1])
+    checks.append(_check("router off (every token kept) equals GDN+Attn within 3 points",
+                         abs(pairs[best][0] - pairs[best][1]) <= 3,
+                         f"lr {best:g}: {pairs[best][0]:.1f} vs {pairs[best][1]:.1f}"
+                         f" (all lrs: {json.dumps({f'{k:g}': v for k, v in pairs.items()})})"))
+  else:
+    checks.append(_check("router off (every token kept) equals GDN+Attn within 3 points", None,
+                         "needs lalte_router_off and gdn_attn at one lr"))
+  warm = [r for r in records if r["model"] == "lalte_warmup" and r.get("probes")]
+  if warm:
+    record = min(warm, key=lambda r: (r["seed"], r["lr"]))
+    steps = sorted(int(k) for k in record["probes"])
+    switch = min((s for s in steps if s > 1), default=None)
+    first, last = record["probes"][str(switch)], record["probes"][str(steps[-1])]
+    negative = all(v < 0 for row in first["dscore_value"] for v in row)
+    higher = all(v > f for rv, rf in zip(last["retained_value"], last["retained_filler"])
+                 for v, f in zip(rv, rf))
+    checks.append(_check("after the warm-up, dCE/dscore < 0 on queried values (every head)",
+                         negative, f"{record['name']} step {switch}: value"
+                         f" {first['dscore_value']}, filler {first['dscore_filler']}"))
+    checks.append(_check("queried values retained more than fillers (every head)", higher,
+                         f"{record['name']} step {steps[-1]}: value {last['retained_value']},"
+                         f" filler {last['retained_filler']}"))
+  else:
+    checks.append(_check("after the warm-up, dCE/dscore < 0 on queried values (every head)",
+                         None, "needs a finished lalte_warmup run"))
+  for model in LTE_MODELS:
+    row = rows.get(model)
+    available = _mean(row, "availability_capped")
+    capped, uncapped = _mean(row, "capped"), _mean(row, "uncapped")
+    broken = None if None in (available, capped, uncapped) else (
+        available >= 95 and uncapped - capped > 10)
+    checks.append(_check(f"{model}: no high availability (>= 95%) with capped far (> 10) below"
+                         " uncapped", None if broken is None else not broken,
+                         f"availability {available}, capped {capped}, uncapped {uncapped}"))
+  return checks
+
+
+def summarize(records: list[dict], *, models, lrs, seeds, steps: int,
+              control_steps: int) -> dict:
+  """The payload of results.json: chosen lrs, main-table rows, every run, the checks."""
+  pairs = capacity.NUM_KV_PAIRS
+  chosen = choose_lrs(records, models, lrs, pairs, steps)
+  rows = {}
+  for model, lr in chosen.items():
+    runs = [r for r in records if r["model"] == model and r["lr"] == lr and r["pairs"] == pairs
+            and r["steps"] == steps and r["seed"] in seeds]
+    controls = [r for r in records if r["model"] == model and r["lr"] == lr
+                and r["pairs"] == capacity.CONTROL_KV_PAIRS and r["steps"] == control_steps]
+    rows[model] = model_row(model, lr, runs, controls)
+  return {"chosen_lr": chosen, "rows": rows, "runs": records,
+          "checks": acceptance_checks(rows) + falsification_checks(records, rows)}
+
+
+def _cell(stats: dict | None, digits: int = 1) -> str:
+  if not stats:
+    return "–"
+  if len(stats["values"]) == 1:
+    return f"{stats['mean']:.{digits}f}"
+  return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def _accuracy(split: dict, key: str) -> str:
+  return f"{split[key]:.1f}" if key in split else "–"
+
+
+def markdown(payload: dict, device: str) -> str:
+  """results.md: the main table, the checks, every run, the gradient probes."""
+  main = _table(
+      ["model", "lr", "seeds", "capped %", "uncapped %", "availability % (capped)",
+       "filler retention %", "value retention %", "max kept / free slots", "control P=8 %"],
+      [[r["model"], f"{r['lr']:g}", ",".join(map(str, r["seeds"])), _cell(r["capped"]),
+        _cell(r["uncapped"]), _cell(r.get("availability_capped")),
+        _cell(r.get("filler_retention")), _cell(r.get("value_retention")),
+        f"{r['kept_count_max']} / {r['free_slots']}" if "free_slots" in r else "–",
+        _cell(r["control"])] for r in payload["rows"].values()])
+  checks = _table(["check", "status", "numbers"],
+                  [[c["check"], c["status"], c["detail"]] for c in payload["checks"]])
+  runs = _table(
+      ["run", "select capped", "select uncapped", "test capped", "test uncapped",
+       "availability (test, capped)", "train s", "step s"],
+      [[r["name"], _accuracy(r["select"], "capped_accuracy"),
+        _accuracy(r["select"], "uncapped_accuracy"), _accuracy(r["test"], "capped_accuracy"),
+        _accuracy(r["test"], "uncapped_accuracy"), _accuracy(r["test"], "availability_capped"),
+        r["train"]["train_s"], r["train"].get("step_time_s")] for r in payload["runs"]])
+  probes = _table(
+      ["run", "step", "dCE/dscore values", "dCE/dscore fillers", "retained values",
+       "retained fillers"],
+      [[r["name"], step, _round(p["dscore_value"]), _round(p["dscore_filler"]),
+        _round(p["retained_value"]), _round(p["retained_filler"])]
+       for r in payload["runs"] for step, p in sorted(r.get("probes", {}).items(),
+                                                      key=lambda item: int(item[0]))])
+  chosen = ", ".join(f"{m} {lr:g}" for m, lr in payload["chosen_lr"].items()) or "none yet"
+  smoke = (" Smoke scale (capacity.SMOKE, shrunk models and data): a check of the pipeline, not"
+           " a result." if payload.get("smoke") else "")
+  return (f"# Capacity study (lalte_jax/configs/repro/capacity.py)\n\nDevice: {device}.{smoke}"
+          f" Long-gap MQAR, P = {capacity.NUM_KV_PAIRS} pairs at T = {capacity.SEQ_LEN}, every"
+          " query beyond every window; accuracy (%) over the test queries, capped = the cached"
+          " inference path (cap enforced), uncapped = the training-time forward. Learning rate"
+          f" chosen per model on the held-out select split (capped): {chosen}.\n\n{main}\n\n"
+          f"## Checks\n\n{checks}\n\n## Every run\n\n{runs}\n\n## dCE/dscore and retention"
+          f" (per LTE layer and KV head)\n\n{probes}\n")
+
+
+def _round(rows) -> str:
+  return json.dumps([[float(f"{v:.3g}") for v in row] for row in rows])

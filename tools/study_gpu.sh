@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The capacity study (tools/repro.py) on one GPU machine, in invocations of under 9 minutes that
+# each continue where the previous one stopped.
+#
+#   bash tools/study_gpu.sh RESULT_DIR [STATE_PREFIX]
+#
+# Run from the repository root with the wheels of the extra dependencies (grain, array-record,
+# portpicker, tensorboardX) in .whl/. The study lives in runs/capacity. When that directory does
+# not exist yet (a fresh machine) and the parts STATE_PREFIX.NNofMM exist (default
+# .gpu/study/state.tar.gz: what the previous invocation packed), they are unpacked first. Then
+# tools/repro.py trains within the budget, and RESULT_DIR receives:
+#   study.log            this script's log (tools/repro.py's output and the runs' ends);
+#   results.md           the tables and checks so far;
+#   report.tar.gz        results.json/.md, the figures and every run's small files;
+#   state.tar.gz.00ofMM  the state for the next invocation (tools/repro_state.py; at most
+#   ...                  STUDY_MAX_PARTS parts of 15 MiB): put them where STATE_PREFIX points.
+# STUDY_BUDGET_S (default 510) bounds the whole script, STUDY_PARALLEL (default 12) the runs at
+# once; STUDY_ARGS adds arguments to tools/repro.py (e.g. "--models gdn_attn,lalte").
+set -uo pipefail
+mkdir -p "${1:?usage: tools/study_gpu.sh RESULT_DIR [STATE_PREFIX]}"
+result=$(cd "$1" && pwd)  # absolute: the report is packed from inside the study directory
+state=${2:-.gpu/study/state.tar.gz}
+budget_s=${STUDY_BUDGET_S:-510}
+start=$(date +%s)
+study=runs/capacity
+log="$result/study.log"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >>"$log" 2>&1 || { echo "pip install failed" >>"$log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Compiled programs under the ignored .cache/: shared by the runs of one invocation and kept for
+# the next one while the machine stays up.
+export TRITON_CACHE_DIR=$PWD/.cache/triton JAX_COMPILATION_CACHE_DIR=$PWD/.cache/jax \
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+nvidia-smi --query-gpu=name,memory.total --format=csv >>"$log" 2>&1
+
+if [ ! -d "$study/runs" ] && compgen -G "$state.[0-9][0-9]of[0-9][0-9]" >/dev/null; then
+  python3 tools/repro_state.py unpack "$state" "$study" >>"$log" 2>&1
+fi
+# Leave ~60 s for the figures and the packing after tools/repro.py returns.
+left=$((budget_s - ($(date +%s) - start) - 60))
+echo "### $(date +%T) tools/repro.py with ${left}s" >>"$log"
+# shellcheck disable=SC2086  # STUDY_ARGS is a list of arguments
+python3 tools/repro.py --out "$study" --parallel "${STUDY_PARALLEL:-12}" --budget-s "$left" \
+  ${STUDY_ARGS:-} >>"$log" 2>&1
+echo "### exit $? after $(($(date +%s) - start))s" >>"$log"
+for run in "$study"/runs/*/; do  # the end of each run's log, for the record
+  echo "### $run" >>"$log"; tail -n 3 "$run/log.txt" >>"$log" 2>&1
+done
+
+timeout 40 python3 tools/plot_results.py --results "$study" --out "$study/figures" >>"$log" 2>&1
+cp "$study/results.md" "$result/results.md" 2>>"$log"
+(cd "$study" && tar -czf "$result/report.tar.gz" results.json results.md figures \
+  runs/*/records.json runs/*/metrics.jsonl runs/*/run.json) 2>>"$log"
+python3 tools/repro_state.py pack "$study" "$result/state.tar.gz" --part-mib 15 \
+  --max-parts "${STUDY_MAX_PARTS:-5}" >>"$log" 2>&1
+echo "### done after $(($(date +%s) - start))s" >>"$log"
+tail -n 40 "$log"
