@@ -8,7 +8,10 @@ Parameters may be stored in bfloat16 (`save_params(..., dtype="bfloat16")`, half
 loading always gives float32 parameters, as the model computes with float32 master weights.
 
 Loading checks the stored parameter tree against the config's before restoring, so a checkpoint of
-another architecture fails with a ValueError that names the first differences.
+another architecture fails with a ValueError that names the first differences. A damaged or
+incomplete directory (no `model.json`, no `params/_METADATA`, files that differ from the checksum
+record `checksums.json` written with them, see `lalte_jax.integrity`, or any failure to read)
+fails with a ValueError that names the directory and what is wrong.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lalte_jax import integrity
 from lalte_jax.config import (AttentionConfig, GDNConfig, LTEConfig, ModelConfig, NSAConfig,
                               get_model_config)
 from lalte_jax.model import HybridLM
@@ -88,8 +92,9 @@ def save_param_dict(params: dict, config: ModelConfig, directory: str | pathlib.
   params = jax.tree.map(lambda x: x.astype(dtype), params)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(directory / PARAMS_DIR, _string_keys(params))
-  checkpointer.wait_until_finished()
+  checkpointer.wait_until_finished()  # on process 0: until every process has written its shards
   if primary:
+    integrity.write_record(directory)
     (directory / METADATA_FILE).write_text(json.dumps(
         {"format": FORMAT, "config_name": config.name, "param_dtype": dtype,
          "model_config": model_config_to_json(config)}, indent=2))
@@ -158,9 +163,18 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
   config = read_model_config(directory)
   if dtype is not None:
     config = config.replace(dtype=dtype)
+  reason = integrity.verify(directory)
+  if reason is None and not (directory / PARAMS_DIR / integrity.TREE_METADATA_FILE).is_file():
+    reason = f"{PARAMS_DIR}/{integrity.TREE_METADATA_FILE} is missing"
+  if reason is not None:
+    raise ValueError(f"checkpoint: {directory} is damaged or incomplete: {reason}")
   target = _string_keys(param_shapes(config))
   checkpointer = ocp.StandardCheckpointer()
-  stored = checkpointer.metadata(directory / PARAMS_DIR).item_metadata.tree
+  try:
+    stored = checkpointer.metadata(directory / PARAMS_DIR).item_metadata.tree
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    raise ValueError(f"checkpoint: {directory} is damaged: the parameter metadata is unreadable"
+                     f" ({integrity.read_error_reason(error)})") from error
   expected_shapes, stored_shapes = _flat_shapes(target), _flat_shapes(stored)
   if expected_shapes != stored_shapes:
     missing = sorted(set(expected_shapes) - set(stored_shapes))[:3]
@@ -174,7 +188,11 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract_target = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), target)
-  restored = checkpointer.restore(directory / PARAMS_DIR, abstract_target)
+  try:
+    restored = checkpointer.restore(directory / PARAMS_DIR, abstract_target)
+  except Exception as error:  # Orbax/TensorStore raise many types; all mean unreadable
+    raise ValueError(f"checkpoint: {directory} is damaged: the parameters are unreadable"
+                     f" ({integrity.read_error_reason(error)})") from error
   return model_from_param_dict(config, _keys_like(param_shapes(config), restored))
 
 

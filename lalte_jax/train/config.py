@@ -100,10 +100,13 @@ class TrainConfig:
   tensorboard: bool = True
   progress_bar: bool = True
   peak_tflops_per_device: float = 0.0  # for MFU; 0 = look up from the device kind
-  # Checkpoints in <run_dir>/checkpoints (lalte_jax/train/checkpointing.py): every `checkpoint_every` steps
-  # (0 = only at the end and on SIGTERM/SIGINT), the newest `checkpoint_keep` kept; `resume`
-  # continues from the newest complete one. At the end the parameters are exported for inference
-  # into <run_dir>/export in `export_dtype` (float32 = the master weights, lossless).
+  # Checkpoints in <run_dir>/checkpoints (lalte_jax/train/checkpointing.py): every
+  # `checkpoint_every` steps (0 = only at the end and on SIGTERM/SIGINT), the newest
+  # `checkpoint_keep` kept. `resume` continues from the newest intact one (damaged ones are skipped
+  # and moved to checkpoints/damaged; the model must be the one they were saved with, see
+  # lalte_jax/train/resume.py). resume=False refuses to start where checkpoints exist and moves or
+  # deletes nothing: to start afresh, use a new output_dir. At the end the parameters are exported
+  # for inference into <run_dir>/export in `export_dtype` (float32 = the master weights, lossless).
   checkpoint_every: int = 100
   checkpoint_keep: int = 3
   # Multi-process runs agree on a SIGTERM/SIGINT every `stop_check_every` steps (the agreement is a

@@ -7,7 +7,8 @@ gradients in a row, evaluates held-out recall on synthetic tasks, and returns a 
 after the step in flight (the summary then holds `stopped_at`).
 
 With `checkpoints` (a `lalte_jax.train.checkpointing.RunCheckpoints`, as the CLI passes) the run is
-resumable: it starts from the newest complete checkpoint (`config.resume`), saves every
+resumable: it starts from the newest intact checkpoint (`config.resume`; damaged ones are skipped
+and a changed model is refused, see `lalte_jax.train.resume`), saves every
 `checkpoint_every` steps and at the end, saves the current step when a signal stops it, and
 finally exports the parameters for inference into `<run_dir>/export`. Without it nothing
 is written besides the metrics.
@@ -29,7 +30,7 @@ from flax import nnx
 
 from lalte_jax.data import (IGNORE_LABEL, MQARSource, PasskeySource, PretokenizedSource,
                             curricula, make_dataset)
-from lalte_jax.train import checkpointing, export, sharding
+from lalte_jax.train import checkpointing, export, resume, sharding
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
 from lalte_jax.train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
@@ -80,8 +81,8 @@ class Trainer:
                checkpoints: checkpointing.RunCheckpoints | None = None,
                train_source=None, eval_source=None):
     """`state` (host or device arrays of any layout) is placed on this mesh's shardings; without
-    it the state comes from the newest checkpoint in `checkpoints` (when `config.resume`), read
-    directly into this mesh's layout, or else is initialised from `config.seed`.
+    it the state comes from the newest intact checkpoint in `checkpoints` (when `config.resume`),
+    read directly into this mesh's layout, or else is initialised from `config.seed`.
 
     `train_source` / `eval_source` (random-access sources, see `lalte_jax.data`) replace the
     config's own (`make_source(config, split=...)`); a source with `read_in_order` set (a staged
@@ -116,9 +117,9 @@ class Trainer:
         raise ValueError(f"TrainConfig.resume: {checkpoints.directory} holds checkpoints (steps"
                          f" {checkpoints.all_steps()}) but resume=False; delete them or choose"
                          " another output_dir")
-      self.resumed_from = checkpoints.latest_step()
-      state = checkpoints.restore(checkpointing.abstract_like(state_shapes, self.state_shardings),
-                                  self.data_iterator)
+      self.resumed_from, state = resume.restore_newest_intact(
+          checkpoints, config, checkpointing.abstract_like(state_shapes, self.state_shardings),
+          self.data_iterator)
     if state is None:
       self.state = jax.jit(init, out_shardings=self.state_shardings)(key)
     else:

@@ -3,6 +3,8 @@ shapes, batching and padding change no greedy token, one compile per bucket, cle
 
 import functools
 import json
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from lalte_jax import generate as gen
 from lalte_jax.config import get_model_config
 from lalte_jax.inference import checkpoint, cli, sampling, stack
 from lalte_jax.model import HybridLM
+from tests import damage
 
 TEACHER_FORCED = ["gdn", "gdn_swa", "gdn_attn", "transformer", "nsa", "lansa", "lalte"]
 # Router bias giving the tiny laLTE model some kept out-of-window tokens, all within the cap.
@@ -202,3 +205,42 @@ def test_checkpoint_of_another_architecture_raises(tmp_path):
   (tmp_path / "ckpt" / "model.json").write_text(json.dumps({"config_name": "transformer-tiny"}))
   with pytest.raises(ValueError, match="do not fit 'transformer-tiny'"):
     checkpoint.load_params(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("saved") / "ckpt"
+  checkpoint.save_params(tiny_model("gdn_swa", init_std=0.2), path)
+  return path
+
+
+# The error for each damage of a saved checkpoint (regular expressions, after its path).
+DAMAGE_MESSAGES = {
+    "no model.json": "lacks model.json or params/",
+    "no params/_METADATA": "is damaged or incomplete: params/_METADATA is missing",
+    "truncated": r"is damaged or incomplete: params/ocdbt.process_0/d/\w+ has \d+ bytes",
+    "garbage": r"is damaged or incomplete: params/ocdbt.process_0/d/\w+ differs from what was",
+    "truncated, no checksums": "is damaged: the parameters are unreadable .*OUT_OF_RANGE",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE_MESSAGES)
+def test_damaged_checkpoint_exits_2_with_one_line(saved_checkpoint, tmp_path, capsys, kind):
+  directory = tmp_path / "ckpt"
+  shutil.copytree(saved_checkpoint, directory)
+  if kind == "no model.json":
+    (directory / "model.json").unlink()
+  elif kind == "no params/_METADATA":
+    (directory / "params" / "_METADATA").unlink()
+  elif kind.startswith("truncated"):
+    damage.truncate(damage.largest_array_file(directory / "params"))
+    if kind.endswith("no checksums"):
+      (directory / "checksums.json").unlink()
+  else:
+    damage.overwrite_middle(damage.largest_array_file(directory / "params"))
+  with pytest.raises(SystemExit) as raised:
+    cli.main(["--checkpoint", str(directory), "--prompt", "hi", "--max-new-tokens", "2"])
+  assert raised.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert re.match(f"error: checkpoint: {directory} {DAMAGE_MESSAGES[kind]}", err), err

@@ -1,6 +1,7 @@
 """Train checkpoints in-process: atomicity, the data position, keep-N, stop signals, the export."""
 
 import os
+import re
 import signal
 
 import jax
@@ -15,6 +16,7 @@ from lalte_jax.presets import preset_names
 from lalte_jax.train import checkpointing, export
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.step import init_train_state, model_graphdef
+from tests import damage
 
 
 def _iterator():
@@ -97,6 +99,81 @@ def test_empty_directory_has_no_step(tmp_path):
     checkpoints.restore(_abstract(_state(0)))
   with pytest.raises(ValueError, match="keep must be positive"):
     checkpointing.RunCheckpoints(tmp_path, keep=0)
+
+
+def _big_state(step: int) -> dict:
+  """A state with an array large enough to get a data file of its own (small values are stored
+  inside OCDBT's tree nodes, which TensorStore checks itself)."""
+  values = np.random.default_rng(step).standard_normal((64, 64)).astype(np.float32)
+  return {"step": jnp.asarray(step, jnp.int32), "w": jnp.asarray(values)}
+
+
+def _damage(step_dir, kind: str) -> None:
+  if kind == "truncated array file":
+    damage.truncate(damage.largest_array_file(step_dir / "state"))
+  elif kind == "garbage in an array file":
+    damage.overwrite_middle(damage.largest_array_file(step_dir / "state"))
+  elif kind == "deleted state metadata":
+    (step_dir / "state" / "_METADATA").unlink()
+  elif kind == "deleted data position":
+    (step_dir / "data" / "process_0-of-1.json").unlink()
+  else:
+    (step_dir / "config" / "metadata").write_text("{trunc")
+
+
+# What `problem` says for each damage (regular expressions).
+FOUND_BY_CHECKSUMS = {
+    "truncated array file": r"state/ocdbt\.process_0/d/\w+ has \d+ bytes, \d+ were written",
+    "garbage in an array file": r"state/ocdbt\.process_0/d/\w+ differs from what was written",
+    "deleted state metadata": r"state/_METADATA is missing",
+    "deleted data position": r"data/process_0-of-1.json is missing",
+    "unreadable config": r"config/metadata has 6 bytes",
+}
+# What reading says when the checksum record is absent (garbage is then not found at all).
+FOUND_BY_READING = {
+    "truncated array file": "OUT_OF_RANGE: Error reading",
+    "deleted state metadata": "state/_METADATA is missing",
+    "deleted data position": "no data iterator state",
+    "unreadable config": "config: JSONDecodeError",
+}
+
+
+@pytest.mark.parametrize("kind", FOUND_BY_CHECKSUMS)
+def test_damage_is_found_before_reading_and_restore_says_so_in_one_line(tmp_path, kind):
+  reason = FOUND_BY_CHECKSUMS[kind]
+  iterator = _iterator()
+  checkpoints = checkpointing.RunCheckpoints(tmp_path, keep=3, config_json={"seed": 3})
+  for step in (1, 2):
+    checkpoints.save(step, _big_state(step), iterator, wait=True)
+  assert (tmp_path / "2" / "checksums.json").is_file()  # committed with the checkpoint
+  _damage(tmp_path / "2", kind)
+  assert re.match(reason, checkpoints.problem(2))
+  with pytest.raises(checkpointing.DamagedCheckpoint, match=f"step 2 in {tmp_path} is damaged: "
+                     + reason) as raised:
+    checkpoints.restore(_abstract(_big_state(0)), _iterator(), step=2)
+  assert "\n" not in str(raised.value)
+  assert checkpoints.problem(1) is None
+  assert _equal(checkpoints.restore(_abstract(_big_state(0)), step=1), _big_state(1))
+  # Set aside, the damaged step is out of every listing and is saved afresh.
+  assert checkpoints.set_aside([2]) == tmp_path / "damaged" and checkpoints.all_steps() == [1]
+  assert (tmp_path / "damaged" / "2" / "state").is_dir()
+  assert checkpoints.save(2, _big_state(2), iterator, wait=True)
+  assert checkpoints.problem(2) is None and checkpoints.all_steps() == [1, 2]
+  checkpoints.close()
+
+
+@pytest.mark.parametrize("kind", FOUND_BY_READING)
+def test_without_checksums_reading_finds_the_damage(tmp_path, kind):
+  """Checkpoints saved before checksum records existed are checked by reading them."""
+  reason = FOUND_BY_READING[kind]
+  checkpoints = checkpointing.RunCheckpoints(tmp_path, keep=3, config_json={"seed": 3})
+  checkpoints.save(2, _big_state(2), _iterator(), wait=True)
+  (tmp_path / "2" / "checksums.json").unlink()
+  _damage(tmp_path / "2", kind)
+  with pytest.raises(checkpointing.DamagedCheckpoint, match=reason) as raised:
+    checkpoints.restore(_abstract(_big_state(0)), _iterator(), step=2)
+  assert "\n" not in str(raised.value)
+  checkpoints.close()
 
 
 def test_config_round_trips_through_the_checkpoint(tmp_path):

@@ -68,6 +68,52 @@ def test_existing_checkpoints_without_resume_are_an_error(tmp_path, capsys):
   assert "holds checkpoints (steps [3]) but resume=False" in capsys.readouterr().err
 
 
+def _saved_run(tmp_path, steps=(1, 2)) -> pathlib.Path:
+  """Checkpoints of a tiny_mqar run in tmp_path (a stand-in state: the checks below fail before
+  the state is read); returns the checkpoint directory."""
+  config = load_config(CONFIGS / "tiny_mqar.py", [f"output_dir={tmp_path}"])
+  checkpoints = checkpointing.RunCheckpoints.for_run(config)
+  for step in steps:
+    checkpoints.save(step, {"step": jnp.asarray(step, jnp.int32)}, wait=True)
+  checkpoints.close()
+  return checkpoints.directory
+
+
+def _train(tmp_path, *settings: str) -> int:
+  arguments = ["--config", str(CONFIGS / "tiny_mqar.py")]
+  for setting in (f"output_dir={tmp_path}", "progress_bar=false", *settings):
+    arguments += ["--set", setting]
+  return main(arguments)
+
+
+def test_no_intact_checkpoint_exits_2_in_one_line_after_a_warning_each(tmp_path, capsys):
+  directory = _saved_run(tmp_path)
+  for step in (1, 2):
+    (directory / str(step) / "state" / "_METADATA").unlink()
+  assert _train(tmp_path) == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  lines = err.splitlines()
+  assert len(lines) == 3, err
+  for line, step in zip(lines, (2, 1)):
+    assert line.startswith(f"warning: checkpoint {step} in {directory} is damaged (state/_METADATA"
+                           " is missing)"), line
+  assert lines[2] == (f"error: checkpoints: no intact checkpoint in {directory} (damaged: steps"
+                      " [1, 2]; nothing was moved); to start afresh move that directory away, or"
+                      " choose another output_dir")
+  assert checkpointing.RunCheckpoints(directory, keep=1, read_only=True).all_steps() == [1, 2]
+
+
+def test_another_model_exits_2_naming_the_field(tmp_path, capsys):
+  directory = _saved_run(tmp_path, steps=(1,))
+  assert _train(tmp_path, "model.intermediate_size=256", "model_dtype=float32") == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(
+      f"error: TrainConfig: the checkpoints in {directory} were saved with another model"
+      " (model.intermediate_size: 192 -> 256); resuming needs the same model: undo the change,"
+      " or train the changed model in a new output_dir"), err
+
+
 def test_readme_demo_config_is_small():
   config = load_config(CONFIGS / "readme_demo.py")
   assert config.data == "mqar" and config.steps * config.tokens_per_step <= 600 * 64 * 64

@@ -1,4 +1,5 @@
-"""Exact resume through the CLI: SIGTERM, SIGKILL between checkpoints, another device count.
+"""Exact resume through the CLI: SIGTERM, SIGKILL between checkpoints, damaged checkpoints,
+another device count.
 
 Every run is `python -m lalte_jax.train` in a subprocess on 4 (or 2) virtual CPU devices, tiny laLTE in
 float32, logging every step to metrics.jsonl; an uninterrupted run is the reference. After a stop
@@ -22,13 +23,14 @@ import numpy as np
 import pytest
 
 from lalte_jax.inference import checkpoint as params_checkpoint
-from lalte_jax.train import export
+from lalte_jax.train import checkpointing, export
+from tests import damage
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 10
 RUN_SETTINGS = (
     "model_dtype=float32", "seq_len=32", "global_batch_size=8", f"steps={STEPS}",
-    "warmup_steps=1", "checkpoint_every=2", "checkpoint_keep=3", "log_every=1",
+    "warmup_steps=1", "checkpoint_every=2", "checkpoint_keep=5", "log_every=1",
     "progress_bar=false", "tensorboard=false", "eval_batches=1", "num_eval_examples=16")
 MESH_4 = ("mesh_data=2", "mesh_fsdp=2")  # parameters and moments sharded over fsdp
 TIMEOUT_S = 900
@@ -149,11 +151,43 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
   assert params_checkpoint.load_model(run_dir / "export").config.name == "lalte-tiny"
 
 
+def test_damaged_checkpoints_are_skipped_and_the_run_resumes_bit_for_bit(reference, tmp_path):
+  ref = reference()
+  run_dir = tmp_path / "damaged"
+  directory = run_dir / "checkpoints"
+  shutil.copytree(ref["run_dir"] / "checkpoints", directory)
+  damage.truncate(damage.largest_array_file(directory / "10" / "state"))
+  (directory / "8" / "state" / "_METADATA").unlink()
+  damage.overwrite_middle(damage.largest_array_file(directory / "6" / "state"))
+  (directory / "4" / "data" / "process_0-of-1.json").unlink()
+  code, text = _finish(_launch(run_dir, 4, MESH_4))
+  assert code == 0, text
+  assert "Traceback" not in text
+  warnings = [line for line in text.splitlines() if line.startswith("warning:")]
+  reasons = (r"state/ocdbt\.process_0/d/\w+ has \d+ bytes, \d+ were written",
+             r"state/_METADATA is missing",
+             r"state/ocdbt\.process_0/d/\w+ differs from what was written \(CRC32\)",
+             r"data/process_0-of-1\.json is missing")
+  assert len(warnings) == 4, text
+  for line, step, reason in zip(warnings, (10, 8, 6, 4), reasons):
+    assert re.match(f"warning: checkpoint {step} in {re.escape(str(directory))} is damaged"
+                    f" \\({reason}\\);", line), line
+  assert f"resumed from {directory}/2" in text
+  records = _records(run_dir)
+  assert [r["step"] for r in records] == list(range(3, STEPS + 1))
+  for record in records:
+    assert (record["loss"], record["grad_norm"]) == ref["metrics"][record["step"]], record["step"]
+  assert sorted(int(p.name) for p in (directory / "damaged").iterdir()) == [4, 6, 8, 10]
+  checkpoints = checkpointing.RunCheckpoints(directory, keep=1, read_only=True)
+  assert checkpoints.all_steps() == [2, 4, 6, 8, 10]  # saved afresh
+  assert all(checkpoints.problem(step) is None for step in checkpoints.all_steps())
+
+
 def test_resume_on_two_devices_matches_within_1e_5(reference, tmp_path):
   ref = reference()
   saved = sorted(int(p.name) for p in (ref["run_dir"] / "checkpoints").iterdir()
                  if p.name.isdigit())
-  assert saved == [6, 8, 10]  # every 2 steps, the newest 3 kept
+  assert saved == [2, 4, 6, 8, 10]  # every 2 steps, the newest 5 kept
   # The reference's checkpoint of step 6 (4 devices, fsdp=2), continued on 2 devices.
   run_dir = tmp_path / "two_devices"
   shutil.copytree(ref["run_dir"] / "checkpoints", run_dir / "checkpoints")
