@@ -3,7 +3,7 @@
 Prepare shards with a trained tokenizer and a validation split, here from the repository's own
 text (every checkout has it):
 
-  python -m lalte_jax.data.prepare --input README.md docs/*.md lalte_jax --text-suffix .md \\
+  python -m lalte_jax.data.prepare --input docs/*.md lalte_jax --text-suffix .md \\
       --text-suffix .py --output-dir runs/text_data --seq-len 256 --train-tokenizer 2048 \\
       --val-fraction 0.1
 
@@ -24,6 +24,6 @@ def get_config() -> TrainConfig:
       variant="lalte", size="tiny", model_dtype="float32",
       data="pretokenized", data_dir="runs/text_data", seq_len=256,
       global_batch_size=8, grad_accum_steps=1,
-      steps=150, warmup_steps=15, lr=1e-2, lr_min_ratio=0.1,
-      seed=42, output_dir="runs/tiny_text", log_every=25, eval_every=50, eval_batches=4,
-      checkpoint_every=50, checkpoint_keep=2, tensorboard=False)
+      steps=120, warmup_steps=12, lr=1e-2, lr_min_ratio=0.1,
+      seed=42, output_dir="runs/tiny_text", log_every=20, eval_every=40, eval_batches=4,
+      checkpoint_every=40, checkpoint_keep=2, tensorboard=False)

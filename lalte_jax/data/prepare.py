@@ -8,7 +8,8 @@ per file, or per non-empty line with --txt-document line), .jsonl (one JSON obje
 in --text-field), .parquet (column --text-field); a directory is searched recursively for those
 suffixes, in sorted order. Documents are packed as §8.2 says (BOS per document, no EOS,
 concatenated, cut into --seq-len sequences, tail dropped); the format is described in
-lalte_jax/data/pretokenized.py. Read the result with `lalte_jax.data.PretokenizedSource(output_dir)`.
+lalte_jax/data/pretokenized.py. Read the result with
+`lalte_jax.data.PretokenizedSource(output_dir)`.
 
 --val-fraction F holds out about a fraction F of the documents, chosen by a hash of their index
 (lalte_jax/data/heldout.py), and packs them into validation shards of their own, which the trainer

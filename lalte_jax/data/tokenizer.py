@@ -106,10 +106,6 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-  def token(self, token_id: int | None) -> str | None:
-    """The spelling of `token_id` (None for None)."""
-    return None if token_id is None else self._tokenizer.id_to_token(token_id)
-
 
 def _read_hf_special_tokens(config_path: pathlib.Path) -> dict[str, str]:
   """bos_token / eos_token from a HF tokenizer_config.json (a string or {"content": ...})."""

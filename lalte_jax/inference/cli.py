@@ -4,10 +4,10 @@ Loads a params-only checkpoint (`lalte_jax.inference.checkpoint`) and a tokenize
 (`lalte_jax.data.tokenizer.load_tokenizer`: a HF `tokenizers` JSON file or directory, a
 SentencePiece `.model` file; without --tokenizer the checkpoint's own tokenizer.json, which a
 training run on a corpus with a HF tokenizer copies into its export, else UTF-8 bytes) and prints
-one completion per prompt, one line each. Text prompts (`--prompt`) start with BOS when the
+the completion of each prompt. Text prompts (`--prompt`) start with BOS when the
 model's vocabulary holds it; `--prompt-ids 1,5,9` gives a prompt as token ids, used as they are
 (e.g. for models of synthetic tasks, whose ids are no text), and `--print-ids` prints each
-completion's ids instead of its text. The tokenizer's EOS (if the model has it) ends a
+completion's ids, one line per prompt, instead of its text. The tokenizer's EOS (if the model has it) ends a
 completion. Bad inputs exit with status 2 and a one-line error.
 """
 

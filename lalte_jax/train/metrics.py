@@ -157,7 +157,8 @@ class MetricsLogger:
     if self._bar is not None:  # the newest value of each, held until it changes
       self._postfix.update({k: f"{record[k]:.3g}" for k in BAR_METRICS
                             if isinstance(record.get(k), float) and math.isfinite(record[k])})
-      self._bar.set_postfix(self._postfix, refresh=False)
+      self._bar.set_postfix({k: self._postfix[k] for k in BAR_METRICS if k in self._postfix},
+                            refresh=False)
 
   def advance(self, step: int) -> None:
     """Moves the bar to `step` (steps completed)."""

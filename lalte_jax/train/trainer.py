@@ -67,7 +67,8 @@ def make_source(config: TrainConfig, *, split: str):
     source = heldout.training_source(config.data_dir)
   if source.seq_len != config.seq_len:
     raise ValueError(f"TrainConfig.seq_len: {config.seq_len}, but the sequences of"
-                     f" {config.data_dir} hold {source.seq_len} tokens; set seq_len={source.seq_len}")
+                     f" {config.data_dir} hold {source.seq_len} tokens; set"
+                     f" seq_len={source.seq_len}")
   if source.vocab_size > vocab_size:
     raise ValueError(f"TrainConfig.model_overrides: model.vocab_size={vocab_size} is smaller than"
                      f" the vocabulary of {config.data_dir} ({source.vocab_size} ids); set"

@@ -1,5 +1,5 @@
-"""lalte-prepare-data's validation split, trained tokenizer, text suffixes and one-line errors; the
-held-out data of a prepared corpus (lalte_jax.data.heldout) never shares a document with training."""
+"""lalte-prepare-data's validation split, trained tokenizer, text suffixes and one-line errors;
+the held-out data of a prepared corpus (lalte_jax.data.heldout) shares no document with training."""
 
 import json
 import re
@@ -16,8 +16,8 @@ BYTES = load_tokenizer(None)
 def _write_documents(directory, count: int) -> list[str]:
   """`count` .txt files, one document each, starting with their index ("doc 007: ...")."""
   directory.mkdir(parents=True, exist_ok=True)
-  texts = [f"doc {i:03d}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4]) * (1 + i % 3)
-           for i in range(count)]
+  words = ["alpha", "beta", "gamma", "delta"]
+  texts = [f"doc {i:03d}: " + " ".join(words[:1 + i % 4]) * (1 + i % 3) for i in range(count)]
   for i, text in enumerate(texts):
     (directory / f"{i:03d}.txt").write_text(text)
   return texts
@@ -93,7 +93,8 @@ def test_trained_tokenizer_is_deterministic_and_kept_beside_the_shards(tmp_path)
                "--val-fraction", "0.2", "--no-progress"]
   metadata = prepare.run([*arguments, "--output-dir", str(tmp_path / "a")])
   prepare.run([*arguments, "--output-dir", str(tmp_path / "b")])
-  assert (tmp_path / "a/tokenizer.json").read_bytes() == (tmp_path / "b/tokenizer.json").read_bytes()
+  trained = [(tmp_path / name / "tokenizer.json").read_bytes() for name in ("a", "b")]
+  assert trained[0] == trained[1]
   tokenizer = load_tokenizer(tmp_path / "a")  # the directory: its tokenizer.json
   assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1) == (metadata["bos_id"], metadata["eos_id"])
   assert metadata["vocab_size"] == tokenizer.vocab_size <= 300

@@ -15,6 +15,7 @@ from lalte_jax.inference import checkpoint
 from lalte_jax.inference import cli as generate_cli
 from lalte_jax.train import cli as train_cli
 from lalte_jax.train.config import TrainConfig
+from lalte_jax.train.metrics import MetricsLogger
 from lalte_jax.train.trainer import Trainer, with_labels
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -120,3 +121,14 @@ def test_tiny_text_on_the_repository_text_validates_and_generates_text(tmp_path)
   (ids,) = generate_cli.run([*arguments, "--print-ids"])
   assert text == tokenizer.decode([int(i) for i in ids.split(",")])
   assert text and "\ufffd" not in text
+
+
+def test_progress_bar_keeps_the_latest_evaluation(tmp_path):
+  logger = MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress_bar=True)
+  logger.log(0, {"eval_loss": 5.0, "eval_perplexity": 148.4, "eval_scored_tokens": 252})
+  logger.log(1, {"loss": 4.5, "lr": 1e-3})
+  postfix = logger._bar.postfix  # pylint: disable=protected-access
+  logger.close()
+  assert postfix == "loss=4.5, lr=0.001, eval_loss=5, eval_perplexity=148"
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert records[0]["eval_perplexity"] == 148.4 and records[1]["loss"] == 4.5
