@@ -24,6 +24,6 @@ def get_config() -> TrainConfig:
       variant="lalte", size="tiny", model_dtype="float32",
       data="pretokenized", data_dir="runs/text_data", seq_len=256,
       global_batch_size=8, grad_accum_steps=1,
-      steps=120, warmup_steps=12, lr=1e-2, lr_min_ratio=0.1,
-      seed=42, output_dir="runs/tiny_text", log_every=20, eval_every=40, eval_batches=4,
+      steps=80, warmup_steps=8, lr=1e-2, lr_min_ratio=0.1,
+      seed=42, output_dir="runs/tiny_text", log_every=10, eval_every=20, eval_batches=4,
       checkpoint_every=40, checkpoint_keep=2, tensorboard=False)

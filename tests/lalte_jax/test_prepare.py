@@ -1,7 +1,6 @@
 """lalte-prepare-data's validation split, trained tokenizer, text suffixes and one-line errors;
 the held-out data of a prepared corpus (lalte_jax.data.heldout) shares no document with training."""
 
-import json
 import re
 
 import numpy as np
