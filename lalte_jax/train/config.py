@@ -222,7 +222,8 @@ class TrainConfig:
   def with_data_vocab(self) -> TrainConfig:
     """This config with `model.vocab_size` set to the vocabulary in the corpus's metadata.json
     when the data is pretokenized and the override is not set; otherwise the config itself.
-    `load_config` and the Trainer apply it, so checkpoints record the resolved size."""
+    `load_config` (when the corpus exists) and the Trainer apply it, so the checkpoints of a run
+    record the resolved size."""
     if self.data != "pretokenized" or "vocab_size" in dict(self.model_overrides):
       return self
     try:
@@ -313,7 +314,7 @@ def resolve_config_path(text: str) -> pathlib.Path:
 
 def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> TrainConfig:
   """Imports the experiment file at `path`, calls its `get_config()`, applies `overrides`, and
-  takes the model's vocabulary from a pretokenized corpus (`TrainConfig.with_data_vocab`).
+  takes the model's vocabulary from a pretokenized corpus that exists (`with_data_vocab`).
 
   `path` is a file or the name of a shipped config (`readme_demo`, `repro/capacity`). It may end in
   `:<arg>` (`repro/capacity:lalte`): the file's `get_config(arg)` is then called with that string,
@@ -337,4 +338,9 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
   config = module.get_config() if argument is None else module.get_config(argument)
   if not isinstance(config, TrainConfig):
     raise ValueError(f"{path}: get_config() returned {type(config).__name__}, not TrainConfig")
-  return apply_overrides(config, overrides).with_data_vocab()
+  config = apply_overrides(config, overrides)
+  # A config may be loaded before its corpus exists (to inspect it); the Trainer resolves the
+  # vocabulary then, and needs the corpus.
+  if (pathlib.Path(config.data_dir) / pretokenized.METADATA_FILENAME).is_file():
+    config = config.with_data_vocab()
+  return config

@@ -14,7 +14,7 @@ from lalte_jax.data.pretokenized import read_metadata
 from lalte_jax.inference import checkpoint
 from lalte_jax.inference import cli as generate_cli
 from lalte_jax.train import cli as train_cli
-from lalte_jax.train.config import TrainConfig
+from lalte_jax.train.config import TrainConfig, load_config
 from lalte_jax.train.metrics import MetricsLogger
 from lalte_jax.train.trainer import Trainer, with_labels
 
@@ -68,6 +68,9 @@ def test_model_vocabulary_smaller_than_the_data_is_a_one_line_error(corpus, tmp_
   assert _config(corpus, tmp_path).with_data_vocab().model_config().vocab_size == 258
   with pytest.raises(ValueError, match="TrainConfig.data_dir: .*metadata.json not found"):
     _config(tmp_path, tmp_path).with_data_vocab()
+  # Config files get the corpus's vocabulary, and load before their corpus exists.
+  assert load_config("tiny_text", [f"data_dir={corpus}"]).model_config().vocab_size == 258
+  assert load_config("tiny_text", [f"data_dir={tmp_path}"]).model_config().vocab_size == 256
 
 
 @pytest.mark.slow
