@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 
 import jax
 import ml_dtypes
@@ -24,6 +23,8 @@ from lalte_jax.config import ModelConfig
 from lalte_jax.convert import hf_config, weights
 from lalte_jax.convert.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, SafetensorsReader,
                                               write_safetensors)
+# The tokenizer files travel with a checkpoint; these are shared with prepared corpora and exports.
+from lalte_jax.data.tokenizer import copy_tokenizer, tokenizer_directory
 from lalte_jax.inference import checkpoint
 from lalte_jax.model import HybridLM
 
@@ -31,8 +32,6 @@ CONFIG_FILE = "config.json"
 # The source config.json kept beside a converted params export: `to-hf` restores the fields our
 # ModelConfig does not hold (token ids, LTE training settings) from it.
 SOURCE_CONFIG_FILE = "hf_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
 STORED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
@@ -69,16 +68,6 @@ def load_hf(path: str | pathlib.Path, dtype: str | None = None) -> HybridLM:
   return checkpoint.model_from_param_dict(config, params)
 
 
-def copy_tokenizer(source: str | pathlib.Path, out_dir: str | pathlib.Path) -> list[str]:
-  """Copies the tokenizer files of `source` (a directory with tokenizer.json, or that file) into
-  `out_dir`; returns their names. Raises ValueError when there is no tokenizer.json."""
-  directory = tokenizer_directory(source)
-  names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
-  for name in names:
-    shutil.copyfile(directory / name, pathlib.Path(out_dir) / name)
-  return names
-
-
 def write_hf(config: ModelConfig, params: dict, out_dir: str | pathlib.Path, *,
              dtype: str = "float32", carried: dict | None = None,
              tokenizer: str | pathlib.Path | None = None,
@@ -101,16 +90,6 @@ def write_hf(config: ModelConfig, params: dict, out_dir: str | pathlib.Path, *,
   if tokenizer is not None:
     copy_tokenizer(tokenizer, out_dir)
   return out_dir
-
-
-def tokenizer_directory(source: str | pathlib.Path) -> pathlib.Path:
-  """The directory of the tokenizer files `source` names (ValueError without tokenizer.json)."""
-  source = pathlib.Path(source)
-  directory = source.parent if source.is_file() else source
-  if (source.is_file() and source.name != "tokenizer.json") or \
-      not (directory / "tokenizer.json").is_file():
-    raise ValueError(f"tokenizer: {source} holds no tokenizer.json")
-  return directory
 
 
 def save_hf(model_or_export: HybridLM | str | pathlib.Path, out_dir: str | pathlib.Path, *,

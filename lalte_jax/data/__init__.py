@@ -5,8 +5,10 @@
 - `curricula`: mixtures of those sources (`RecallMixture`, `StagedCurriculum`) and the named
   training curricula a config selects with `data="curriculum:<name>"`.
 - `pretokenized`: `PretokenizedSource` over the ArrayRecord shards `lalte-prepare-data`
-  (`lalte_jax/data/prepare.py`) writes.
-- `tokenizer`: `load_tokenizer(path)` for HF tokenizers JSON, SentencePiece or bytes.
+  (`lalte_jax/data/prepare.py`) writes; `heldout`: their training and validation data, which
+  never share a document.
+- `tokenizer`: `load_tokenizer(path)` for HF tokenizers JSON, SentencePiece or bytes;
+  `train_bpe` for a byte-level BPE tokenizer trained on a corpus.
 - `pipeline`: `make_dataset(...)`, deterministic, checkpointable batches sharded by process.
 
 Every source yields dicts {"tokens": int32 [T], "labels": int32 [T] (optional)}; labels are shifted

@@ -5,13 +5,17 @@ Storage format (written by `lalte-prepare-data` (`lalte_jax/data/prepare.py`), r
   little-endian int32 bytes (`seq_len * 4` bytes), written with `group_size:1` so each record is
   read on its own (random access for Grain's global shuffle), zstd-compressed;
 - `metadata.json`, written last (a directory without it is an unfinished write): `format`,
-  `seq_len`, `vocab_size`, `bos_id`, `eos_id`, `tokenizer`, `num_sequences`, `num_documents`,
-  `num_tokens`, `num_dropped_tokens`, `shards` ([{"path": file name, "num_sequences": n}]) and the
-  input files.
+  `seq_len`, `vocab_size`, `bos_id`, `eos_id`, `tokenizer` (its name), `tokenizer_file`
+  (`tokenizer.json` beside the shards, or null), the training split's `num_sequences`,
+  `num_documents`, `num_tokens` (BOS included), `num_dropped_tokens`, `num_bytes` (UTF-8 bytes of
+  its documents) and `shards` ([{"path": file name, "num_sequences": n}]), optionally a
+  `validation` split with the same fields (see `lalte_jax/data/heldout.py`), and the input files.
+- `tokenizer.json` (+ `tokenizer_config.json`) when the tokenizer is a HF one.
 
 Packing follows §8.2: each document is tokenized on its own, BOS prepended, no EOS;
-the documents are concatenated into one stream in input order, cut into consecutive `seq_len`
-sequences, and the incomplete tail is dropped. No document masking: sequences cross documents.
+the documents of a split are concatenated into one stream in input order, cut into consecutive
+`seq_len` sequences, and the incomplete tail is dropped. No document masking: sequences cross
+documents (never splits).
 """
 
 from __future__ import annotations
@@ -135,29 +139,50 @@ def read_metadata(directory: str | os.PathLike) -> dict:
   return metadata
 
 
-class PretokenizedSource:
-  """Random access over a prepared corpus: element i = {"tokens": int32 [seq_len]}.
+SPLITS = ("train", "validation")
 
-  Indices run over the shards in the order metadata.json lists them. Picklable (Grain workers).
+
+class PretokenizedSource:
+  """Random access over one split of a prepared corpus: element i = {"tokens": int32 [seq_len]}.
+
+  `split` "train" reads the shards metadata.json lists at its top level (every sequence of a
+  corpus prepared without a validation split), "validation" those under its "validation" key;
+  `shards` (a slice of that shard list) keeps only some of them. Indices run over the shards in
+  the order metadata.json lists them. Picklable (Grain workers).
   """
 
-  def __init__(self, directory: str | os.PathLike):
+  def __init__(self, directory: str | os.PathLike, *, split: str = "train",
+               shards: slice = slice(None)):
     import grain  # pylint: disable=import-outside-toplevel
     self.directory = pathlib.Path(directory)
     metadata = read_metadata(self.directory)
+    if split not in SPLITS:
+      raise ValueError(f"split: {split!r} is not one of {SPLITS}")
+    if split == "validation" and "validation" not in metadata:
+      raise ValueError(f"{self.directory} has no validation split (prepare it with"
+                       " lalte-prepare-data --val-fraction F)")
+    self.split, self.shards = split, shards
+    split_metadata = metadata[split] if split == "validation" else metadata
     self.seq_len: int = metadata["seq_len"]
     self.vocab_size: int = metadata["vocab_size"]
     self.bos_id: int | None = metadata.get("bos_id")
     self.metadata = metadata
-    paths = [str(self.directory / shard["path"]) for shard in metadata["shards"]]
+    # Mean UTF-8 bytes per token of the split (BOS counts as a token of no bytes), for bits per
+    # byte; None for corpora prepared before the byte counts were recorded.
+    num_bytes = split_metadata.get("num_bytes")
+    self.bytes_per_token: float | None = (None if num_bytes is None else
+                                          num_bytes / split_metadata["num_tokens"])
+    listed = split_metadata["shards"][shards]
+    paths = [str(self.directory / shard["path"]) for shard in listed]
     missing = [path for path in paths if not os.path.isfile(path)]
     if missing:
       raise FileNotFoundError(f"{self.directory}: shards listed in {METADATA_FILENAME} are missing:"
                               f" {missing}")
     self._records = grain.sources.ArrayRecordDataSource(paths) if paths else []
-    if len(self._records) != metadata["num_sequences"]:
+    expected = sum(shard["num_sequences"] for shard in listed)
+    if len(self._records) != expected:
       raise ValueError(f"{self.directory}: shards hold {len(self._records)} records but"
-                       f" {METADATA_FILENAME} says num_sequences={metadata['num_sequences']}")
+                       f" {METADATA_FILENAME} lists {expected} for them")
 
   def __len__(self) -> int:
     return len(self._records)
@@ -171,7 +196,11 @@ class PretokenizedSource:
     return {"tokens": tokens.astype(np.int32)}  # native int32 and writable (frombuffer is not)
 
   def __repr__(self) -> str:
-    return f"PretokenizedSource({str(self.directory)!r})"
+    where = "" if self.split == "train" else f", split={self.split!r}"
+    if self.shards != slice(None):
+      start, stop = ("" if end is None else end for end in (self.shards.start, self.shards.stop))
+      where += f", shards[{start}:{stop}]"
+    return f"PretokenizedSource({str(self.directory)!r}{where})"
 
 
 def pack_documents(documents: Iterable[Sequence[int]], seq_len: int, bos_id: int) -> np.ndarray:

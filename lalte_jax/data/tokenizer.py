@@ -5,6 +5,12 @@ directory holding `tokenizer.json` -> HF `tokenizers`; a `.model` file -> Senten
 tokenizer has `encode(text) -> list[int]` (no special tokens added: the packer adds BOS itself,
 §8.2), `encode_batch(texts)`, `decode(ids) -> str`, `vocab_size`, `bos_id`, `eos_id` (None when the
 vocabulary has none) and `name` (recorded in the data metadata). Nothing here touches the network.
+
+`train_bpe` trains a byte-level BPE tokenizer (specials `<s>` = 0 and `</s>` = 1) on texts and
+writes it as `tokenizer.json` + `tokenizer_config.json`; `copy_tokenizer` copies such files (a
+prepared corpus and a training run's export keep them, see `TOKENIZER_FILES`), and
+`tokenizer_for_checkpoint` picks the tokenizer of an exported model: the one named, else the
+export's own `tokenizer.json`, else bytes.
 """
 
 from __future__ import annotations
@@ -12,11 +18,17 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Protocol, Sequence
+import shutil
+from typing import Iterable, Protocol, Sequence
 
 # Special-token spellings tried, in order, when a HF tokenizer does not name its BOS/EOS.
 _BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
 _EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|endoftext|>")
+# The files of a HF tokenizer, copied together (tokenizer.json is the one required).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
+HF_TOKENIZER_FILE = TOKENIZER_FILES[0]
+HF_TOKENIZER_CONFIG_FILE = TOKENIZER_FILES[1]
 
 
 class Tokenizer(Protocol):
@@ -62,7 +74,10 @@ class HFTokenizer:
       raise ImportError(f"loading {path} needs the `tokenizers` package (pip install tokenizers)"
                         ) from error
     self.name = str(path)
-    self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    try:
+      self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust side raises a bare Exception for any unreadable file
+      raise ValueError(f"tokenizer file {path} cannot be read by `tokenizers`: {error}") from None
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
     configured = _read_hf_special_tokens(path.parent / "tokenizer_config.json")
     self.bos_id = self._special_id(bos_token or configured.get("bos_token"), _BOS_CANDIDATES, "BOS")
@@ -187,3 +202,70 @@ def stop_ids(tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
   """The tokenizer's EOS as a generation stop id, when the model's vocabulary holds it."""
   eos = tokenizer.eos_id
   return (eos,) if eos is not None and eos < vocab_size else ()
+
+
+def tokenizer_for_checkpoint(path: str | os.PathLike | None,
+                             checkpoint: str | os.PathLike) -> Tokenizer:
+  """The tokenizer at `path`; without one, the `tokenizer.json` an export holds (the trainer copies
+  the corpus's there), else bytes. Missing files and unusable tokenizers raise ValueError."""
+  if path is None and (pathlib.Path(checkpoint) / HF_TOKENIZER_FILE).is_file():
+    path = checkpoint
+  try:
+    return load_tokenizer(path)
+  except (FileNotFoundError, ImportError) as error:
+    raise ValueError(f"tokenizer: {error}") from error
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | os.PathLike) -> HFTokenizer:
+  """Trains a byte-level BPE tokenizer of at most `vocab_size` ids on `texts`, writes it into
+  `directory` (tokenizer.json, and tokenizer_config.json naming BOS `<s>` and EOS `</s>`), and
+  returns it loaded from there. Ids: `<s>` 0, `</s>` 1, the 256 byte symbols, then the merges, so
+  any text encodes (no unknown token). The same texts give the same file."""
+  if vocab_size < 258:
+    raise ValueError(f"train_bpe: vocab_size {vocab_size} is below 258 (2 special tokens + 256"
+                     " byte symbols)")
+  try:
+    import tokenizers  # pylint: disable=import-outside-toplevel
+  except ImportError as error:
+    raise ImportError("training a tokenizer needs the `tokenizers` package (pip install"
+                      " tokenizers)") from error
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(texts, trainer=trainer)
+  directory = pathlib.Path(directory)
+  tokenizer.save(str(directory / HF_TOKENIZER_FILE))
+  (directory / HF_TOKENIZER_CONFIG_FILE).write_text(
+      json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n", encoding="utf-8")
+  return HFTokenizer(directory / HF_TOKENIZER_FILE)
+
+
+def tokenizer_directory(source: str | os.PathLike) -> pathlib.Path:
+  """The directory of the tokenizer files `source` names (ValueError without tokenizer.json)."""
+  source = pathlib.Path(source)
+  directory = source.parent if source.is_file() else source
+  if (source.is_file() and source.name != HF_TOKENIZER_FILE) or \
+      not (directory / HF_TOKENIZER_FILE).is_file():
+    raise ValueError(f"tokenizer: {source} holds no {HF_TOKENIZER_FILE}")
+  return directory
+
+
+def copy_tokenizer(source: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+  """Copies the tokenizer files of `source` (a directory with tokenizer.json, or that file) into
+  `out_dir`; returns their names. Raises ValueError when there is no tokenizer.json."""
+  directory = tokenizer_directory(source)
+  names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+  for name in names:
+    shutil.copyfile(directory / name, pathlib.Path(out_dir) / name)
+  return names
+
+
+def copy_corpus_tokenizer(data_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+  """Copies the tokenizer files a prepared corpus keeps (lalte_jax/data/prepare.py) into
+  `out_dir`, e.g. a model's export; returns their names ([] when the corpus has none)."""
+  if not (pathlib.Path(data_dir) / HF_TOKENIZER_FILE).is_file():
+    return []
+  return copy_tokenizer(data_dir, out_dir)

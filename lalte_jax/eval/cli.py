@@ -1,9 +1,9 @@
 """`python -m lalte_jax.eval --checkpoint DIR --tasks mqar,sniah1,... --lengths 1024,2048,4096`.
 
 Loads a params-only checkpoint (`lalte_jax.inference.checkpoint.load_model`) and a tokenizer
-(byte-level by default, or `--tokenizer FILE`; synthetic tasks use the model's ids directly), runs
-the tasks through the inference path (cached prefill / greedy decode, LTE cap enforced, G24) with
-a progress bar per task and length, and writes `results.json` and `results.md` under
+(`--tokenizer FILE`, else the checkpoint's tokenizer.json, else bytes; synthetic tasks use the
+model's ids directly), runs the tasks through the inference path (cached prefill / greedy decode,
+LTE cap enforced, G24) with a progress bar per task and length, and writes `results.json` and `results.md` under
 `--output-dir`. MQAR accuracy is teacher-forced from the prefill logits at every position; the
 other generative tasks decode greedily. Tasks: see `lalte_jax.eval.suite`. Bad inputs exit 2
 with a one-line error.
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--seed", type=int, default=suite.recall.EVAL_SEED)
   parser.add_argument("--tokenizer", help="HF tokenizers JSON / SentencePiece .model (default:"
-                      " bytes)")
+                      " the checkpoint's tokenizer.json, else bytes)")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                       help="activation dtype (default: the checkpoint's config)")
   parser.add_argument("--mqar-num-kv-pairs", type=int, default=8)
@@ -75,10 +75,7 @@ def run(argv: list[str] | None = None) -> dict:
       data_dir=args.data_dir, ppl_sequences=args.ppl_sequences,
       evaporate_dir=args.evaporate_dir, evaporate_context_length=args.evaporate_context_length,
       progress=not args.no_progress)
-  try:
-    tokenizer = tokenizers.load_tokenizer(args.tokenizer)
-  except (FileNotFoundError, ImportError) as error:
-    raise ValueError(f"tokenizer: {error}") from error
+  tokenizer = tokenizers.tokenizer_for_checkpoint(args.tokenizer, args.checkpoint)
   model = checkpoint.load_model(args.checkpoint, dtype=args.dtype)
   records = suite.run_suite(model, options, tokenizer)
   payload = {"checkpoint": str(pathlib.Path(args.checkpoint).absolute()),

@@ -2,9 +2,13 @@
 
 Loads a params-only checkpoint (`lalte_jax.inference.checkpoint`) and a tokenizer
 (`lalte_jax.data.tokenizer.load_tokenizer`: a HF `tokenizers` JSON file or directory, a
-SentencePiece `.model` file, or UTF-8 bytes by default) and prints one completion per `--prompt`.
-Prompts start with BOS when the model's vocabulary holds it; the tokenizer's EOS (if the model has
-it) ends a completion. Bad inputs exit with a one-line error.
+SentencePiece `.model` file; without --tokenizer the checkpoint's own tokenizer.json, which a
+training run on a corpus with a HF tokenizer copies into its export, else UTF-8 bytes) and prints
+the completion of each prompt. Text prompts (`--prompt`) start with BOS when the
+model's vocabulary holds it; `--prompt-ids 1,5,9` gives a prompt as token ids, used as they are
+(e.g. for models of synthetic tasks, whose ids are no text), and `--print-ids` prints each
+completion's ids, one line per prompt, instead of its text. The tokenizer's EOS (if the model has it) ends a
+completion. Bad inputs exit with status 2 and a one-line error.
 """
 
 from __future__ import annotations
@@ -22,9 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m lalte_jax.generate", description=__doc__)
   parser.add_argument("--checkpoint", required=True, help="params-only checkpoint directory")
   parser.add_argument("--tokenizer", help="HF tokenizers JSON file or directory, or a"
-                      " SentencePiece .model file (default: UTF-8 bytes)")
-  parser.add_argument("--prompt", action="append", required=True,
-                      help="prompt text; repeat for a batch")
+                      " SentencePiece .model file (default: the checkpoint's tokenizer.json,"
+                      " else UTF-8 bytes)")
+  prompts = parser.add_mutually_exclusive_group(required=True)
+  prompts.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+  prompts.add_argument("--prompt-ids", action="append", metavar="ID,ID,...",
+                       help="prompt as comma-separated token ids (no BOS added); repeat for a"
+                            " batch")
+  parser.add_argument("--print-ids", action="store_true",
+                      help="print the generated token ids (comma-separated) instead of text")
   parser.add_argument("--model", help="expected preset name; error if the checkpoint differs")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="activation dtype (default: the preset's)")
@@ -45,22 +55,40 @@ def run(argv: list[str] | None = None) -> list[str]:
   """Parses `argv`, generates, returns the completions; raises ValueError for bad inputs."""
   from lalte_jax import generate as generation
   args = build_parser().parse_args(argv)
-  try:
-    tokenizer = tokenizers.load_tokenizer(args.tokenizer)
-  except (FileNotFoundError, ImportError) as error:
-    raise ValueError(f"tokenizer: {error}") from error
+  tokenizer = tokenizers.tokenizer_for_checkpoint(args.tokenizer, args.checkpoint)
   model = checkpoint.load_params(args.checkpoint, config_name=args.model, dtype=args.dtype)
   vocab_size = model.config.vocab_size
   eviction = None
   if args.eviction is not None:
     eviction = generation.EvictionConfig(args.eviction, cache_size=args.eviction_cache_size)
-  prompts = [tokenizers.encode_prompt(tokenizer, text, vocab_size=vocab_size)
-             for text in args.prompt]
+  if args.prompt_ids:
+    prompts = [parse_token_ids(text, vocab_size) for text in args.prompt_ids]
+  else:
+    prompts = [tokenizers.encode_prompt(tokenizer, text, vocab_size=vocab_size)
+               for text in args.prompt]
   stop_tokens = tuple(args.stop_id) + tokenizers.stop_ids(tokenizer, vocab_size)
   out = generation.generate(
       model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
       top_p=args.top_p, stop_tokens=stop_tokens, rng=jax.random.key(args.seed), eviction=eviction)
-  return [tokenizer.decode(row[:int(n)]) for row, n in zip(out.tokens, out.lengths)]
+  completions = [row[:int(n)] for row, n in zip(out.tokens, out.lengths)]
+  if args.print_ids:
+    return [",".join(str(int(i)) for i in ids) for ids in completions]
+  return [tokenizer.decode(ids) for ids in completions]
+
+
+def parse_token_ids(text: str, vocab_size: int) -> list[int]:
+  """The ids of one `--prompt-ids` value ("1,5,9"); ValueError naming the value when it is not a
+  non-empty list of ids in [0, vocab_size)."""
+  try:
+    ids = [int(part) for part in text.split(",")]
+  except ValueError:
+    raise ValueError(f"--prompt-ids {text!r}: expected comma-separated token ids such as"
+                     " 1,5,9") from None
+  bad = [i for i in ids if not 0 <= i < vocab_size]
+  if bad:
+    raise ValueError(f"--prompt-ids {text!r}: id {bad[0]} is outside the model's vocabulary"
+                     f" [0, {vocab_size})")
+  return ids
 
 
 def main(argv: list[str] | None = None) -> None:

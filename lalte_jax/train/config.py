@@ -19,7 +19,7 @@ import sys
 import typing
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.data import curricula
+from lalte_jax.data import curricula, pretokenized
 from lalte_jax.presets import SIZES, VARIANTS, get_model_config
 from lalte_jax.train import model_overrides as overrides_lib
 
@@ -48,7 +48,9 @@ class TrainConfig:
   # Data. "mqar"/"passkey" are generated on the fly from (index, seed); "curriculum:<name>" mixes
   # them as the named curriculum of lalte_jax/data/curricula.py does (reading the mqar_* fields);
   # "pretokenized" reads the ArrayRecord shards that lalte_jax/data/prepare.py writes into
-  # `data_dir`.
+  # `data_dir`, trains on its training split and evaluates its held-out documents
+  # (lalte_jax/data/heldout.py); the model's vocabulary is then the corpus's unless
+  # `model.vocab_size` is set (`with_data_vocab`).
   data: str = "mqar"
   data_dir: str = ""
   seq_len: int = 256
@@ -96,6 +98,10 @@ class TrainConfig:
   seed: int = 42
   output_dir: str = ""  # "" = runs/<variant>-<size>
   log_every: int = 10
+  # Held-out evaluation (recall on synthetic tasks; loss, perplexity and bits per byte on a corpus's
+  # validation data) on `eval_batches` micro-batches, every `eval_every` steps (and before the
+  # first step) when positive, and always at the end.
+  eval_every: int = 0
   eval_batches: int = 4
   tensorboard: bool = True
   progress_bar: bool = True
@@ -164,6 +170,8 @@ class TrainConfig:
     _require(0.0 < self.lte_tolerance_low <= self.lte_tolerance_high, "lte_tolerance_low",
              f"need 0 < low <= high, got ({self.lte_tolerance_low}, {self.lte_tolerance_high})")
     _require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
+    _require(self.eval_every >= 0, "eval_every",
+             f"must be >= 0 (0 = only at the end), got {self.eval_every}")
     _require(self.checkpoint_every >= 0, "checkpoint_every",
              f"must be >= 0 (0 = only at the end), got {self.checkpoint_every}")
     _require(self.stop_check_every > 0, "stop_check_every",
@@ -213,6 +221,19 @@ class TrainConfig:
 
   def replace(self, **changes) -> TrainConfig:
     return dataclasses.replace(self, **changes)
+
+  def with_data_vocab(self) -> TrainConfig:
+    """This config with `model.vocab_size` set to the vocabulary in the corpus's metadata.json
+    when the data is pretokenized and the override is not set; otherwise the config itself.
+    `load_config` (when the corpus exists) and the Trainer apply it, so the checkpoints of a run
+    record the resolved size."""
+    if self.data != "pretokenized" or "vocab_size" in dict(self.model_overrides):
+      return self
+    try:
+      vocab_size = pretokenized.read_metadata(self.data_dir)["vocab_size"]
+    except (OSError, ValueError) as error:
+      raise ValueError(f"TrainConfig.data_dir: {error}") from None
+    return self.replace(model_overrides={**dict(self.model_overrides), "vocab_size": vocab_size})
 
 
 def _parse_value(key: str, text: str, annotation) -> object:
@@ -295,7 +316,8 @@ def resolve_config_path(text: str) -> pathlib.Path:
 
 
 def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> TrainConfig:
-  """Imports the experiment file at `path`, calls its `get_config()`, applies `overrides`.
+  """Imports the experiment file at `path`, calls its `get_config()`, applies `overrides`, and
+  takes the model's vocabulary from a pretokenized corpus that exists (`with_data_vocab`).
 
   `path` is a file or the name of a shipped config (`readme_demo`, `repro/capacity`). It may end in
   `:<arg>` (`repro/capacity:lalte`): the file's `get_config(arg)` is then called with that string,
@@ -319,4 +341,9 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
   config = module.get_config() if argument is None else module.get_config(argument)
   if not isinstance(config, TrainConfig):
     raise ValueError(f"{path}: get_config() returned {type(config).__name__}, not TrainConfig")
-  return apply_overrides(config, overrides)
+  config = apply_overrides(config, overrides)
+  # A config may be loaded before its corpus exists (to inspect it); the Trainer resolves the
+  # vocabulary then, and needs the corpus.
+  if (pathlib.Path(config.data_dir) / pretokenized.METADATA_FILENAME).is_file():
+    config = config.with_data_vocab()
+  return config

@@ -6,7 +6,8 @@ parameters with the full ModelConfig (custom overrides included) to OUT, which
 `python -m lalte_jax.generate --checkpoint OUT` and `lalte_jax.inference.checkpoint.load_model`
 read. The trainer also exports automatically at the end of a run into `<run_dir>/export`, in
 `TrainConfig.export_dtype`: float32 by default, i.e. the master weights themselves, so the export
-loses nothing (the model still computes in its `dtype`); bfloat16 halves the files.
+loses nothing (the model still computes in its `dtype`); bfloat16 halves the files. A run on a
+corpus that keeps a tokenizer.json gets a copy of its tokenizer files in the export.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # pylint: disable=wrong-import-position
 
 from lalte_jax.config import ModelConfig  # pylint: disable=wrong-import-position
+from lalte_jax.data import tokenizer as tokenizer_files  # pylint: disable=wrong-import-position
 from lalte_jax.inference import checkpoint as params_checkpoint  # pylint: disable=wrong-import-position
 
 RUN_EXPORT_DIR = "export"
@@ -67,7 +69,17 @@ def export_checkpoint(run_dir: str | pathlib.Path, out: str | pathlib.Path, *,
       checkpointing.abstract_like(shapes, sharding.train_state_shardings(shapes, mesh)),
       step=step)
   checkpoints.close()
-  return export_state_params(state.params, model_config, out, dtype=dtype)
+  path = export_state_params(state.params, model_config, out, dtype=dtype)
+  export_corpus_tokenizer(config, path)
+  return path
+
+
+def export_corpus_tokenizer(config, out: str | pathlib.Path) -> list[str]:
+  """Copies the tokenizer files of the run's corpus (a TrainConfig's `data_dir`, when it keeps a
+  tokenizer.json) into the export `out`, where generation and evaluation find them."""
+  if config.data != "pretokenized":
+    return []
+  return tokenizer_files.copy_corpus_tokenizer(config.data_dir, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Run metrics: a JSONL log, TensorBoard events, a progress bar with ETA, throughput and MFU.
 
-Only process 0 writes (`enabled=False` elsewhere). Scalars go to every sink; per-LTE-layer/head
+Only process 0 writes (`enabled=False` elsewhere). Scalars go to every sink (the progress bar
+shows `BAR_METRICS`, held-out ones until the next evaluation); per-LTE-layer/head
 arrays ([L_lte, Hkv]: lambda, retention count and its EMA) go to the JSONL log as nested lists and
 to TensorBoard as one scalar per layer and head (`lte_lambda/layer03/head1`).
 
@@ -70,6 +71,17 @@ def peak_flops_per_device(device_kind: str, override_tflops: float = 0.0) -> flo
   return None  # CPU or unknown: MFU is not reported
 
 
+# Shown on the progress bar: the training step's metrics, then the latest held-out evaluation's.
+BAR_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "eval_loss", "eval_perplexity",
+               "eval_bits_per_byte", "eval_recall_accuracy")
+
+
+def format_metrics(metrics: dict) -> str:
+  """`name value` pairs of the scalar metrics, 4 significant digits (for log lines)."""
+  return ", ".join(f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}"
+                   for name, value in metrics.items())
+
+
 def _to_python(value):
   array = np.asarray(value)
   if array.ndim == 0:
@@ -102,6 +114,7 @@ class MetricsLogger:
                tensorboard: bool = True, progress_bar: bool = True, enabled: bool = True):
     self.enabled = enabled
     self._jsonl = self._tb = self._bar = None
+    self._postfix: dict[str, str] = {}
     if not enabled:
       return
     self.output_dir = pathlib.Path(output_dir)
@@ -141,10 +154,11 @@ class MetricsLogger:
         elif array.ndim == 2:
           for layer, head in np.ndindex(array.shape):
             self._tb.add_scalar(f"{name}/layer{layer:02d}/head{head}", array[layer, head], step)
-    if self._bar is not None:
-      shown = {k: record[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
-               if k in record and isinstance(record[k], float) and math.isfinite(record[k])}
-      self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+    if self._bar is not None:  # the newest value of each, held until it changes
+      self._postfix.update({k: f"{record[k]:.3g}" for k in BAR_METRICS
+                            if isinstance(record.get(k), float) and math.isfinite(record[k])})
+      self._bar.set_postfix({k: self._postfix[k] for k in BAR_METRICS if k in self._postfix},
+                            refresh=False)
 
   def advance(self, step: int) -> None:
     """Moves the bar to `step` (steps completed)."""

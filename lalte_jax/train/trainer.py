@@ -2,7 +2,9 @@
 
 `Trainer(config).run()` trains `config.steps` optimizer steps from `state.step`, logs every
 `log_every` steps, stops with `TooManySkippedSteps` after `max_consecutive_skips` non-finite
-gradients in a row, evaluates held-out recall on synthetic tasks, and returns a summary.
+gradients in a row, evaluates held-out data every `eval_every` steps and at the end (`evaluate`:
+recall on synthetic tasks; loss, perplexity and bits per byte on a corpus's validation data),
+and returns a summary.
 `callbacks` are called as `callback(trainer, step)` after each step. SIGTERM/SIGINT end the loop
 after the step in flight (the summary then holds `stopped_at`).
 
@@ -28,18 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lalte_jax.data import (IGNORE_LABEL, MQARSource, PasskeySource, PretokenizedSource,
-                            curricula, make_dataset)
+from lalte_jax.data import IGNORE_LABEL, MQARSource, PasskeySource, curricula, heldout, make_dataset
+from lalte_jax.eval.perplexity import nll_metrics
 from lalte_jax.train import checkpointing, export, resume, sharding
 from lalte_jax.train.config import TrainConfig
-from lalte_jax.train.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
+from lalte_jax.train.metrics import (MetricsLogger, flops_per_token, format_metrics,
+                                     peak_flops_per_device)
 from lalte_jax.train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
                         masked_cross_entropy_sum, model_graphdef)
 from lalte_jax.train.watchdog import StepWatchdog
 
 
 def make_source(config: TrainConfig, *, split: str):
-  """The data source of `split` ("train" or "eval"); eval examples come from another seed."""
+  """The data source of `split` ("train" or "eval"): synthetic eval examples come from another
+  seed; a corpus's are its held-out documents (`lalte_jax.data.heldout`; None when it has none)."""
   vocab_size = config.model_config().vocab_size
   seed = config.seed if split == "train" else config.seed + 1
   num_examples = config.num_train_examples if split == "train" else config.num_eval_examples
@@ -57,11 +61,20 @@ def make_source(config: TrainConfig, *, split: str):
     return PasskeySource(num_examples=num_examples, seq_len=config.seq_len,
                          vocab_size=vocab_size, seed=seed)
   if split == "eval":
-    return None  # a corpus has no recall task to score
-  source = PretokenizedSource(config.data_dir)
-  if source.seq_len != config.seq_len or source.vocab_size > vocab_size:
-    raise ValueError(f"{source!r}: seq_len {source.seq_len} / vocab {source.vocab_size} do not"
-                     f" fit seq_len={config.seq_len} / model vocab {vocab_size}")
+    source = heldout.validation_source(config.data_dir)
+    if source is None:
+      return None
+  else:
+    source = heldout.training_source(config.data_dir)
+  if source.seq_len != config.seq_len:
+    raise ValueError(f"TrainConfig.seq_len: {config.seq_len}, but the sequences of"
+                     f" {config.data_dir} hold {source.seq_len} tokens; set"
+                     f" seq_len={source.seq_len}")
+  if source.vocab_size > vocab_size:
+    raise ValueError(f"TrainConfig.model_overrides: model.vocab_size={vocab_size} is smaller than"
+                     f" the vocabulary of {config.data_dir} ({source.vocab_size} ids); set"
+                     f" model.vocab_size={source.vocab_size} (or more), or leave it unset to take"
+                     " the data's")
   return source
 
 
@@ -87,7 +100,9 @@ class Trainer:
     `train_source` / `eval_source` (random-access sources, see `lalte_jax.data`) replace the
     config's own (`make_source(config, split=...)`); a source with `read_in_order` set (a staged
     curriculum) is read in order, any other is shuffled. Checkpoints save the position in the
-    training source, so a resumed run must be given the same one."""
+    training source, so a resumed run must be given the same one. A pretokenized corpus sets the
+    model's vocabulary unless `model.vocab_size` does (`TrainConfig.with_data_vocab`)."""
+    config = config.with_data_vocab()
     self.config = config
     self.model_config = config.model_config()
     self.mesh = mesh or sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
@@ -139,6 +154,7 @@ class Trainer:
     self.step_fn = sharding.MeshJit(
         step_fn, self.mesh, in_shardings=(self.state_shardings, batch_sh),
         out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
+    self.eval_fn = sharding.MeshJit(functools.partial(_eval_sums, self.graphdef), self.mesh)
     self.logger = logger or MetricsLogger(
         config.run_dir, total_steps=config.steps,
         initial_step=int(sharding.to_host(self.state.step)),
@@ -165,6 +181,9 @@ class Trainer:
     start_step = int(sharding.to_host(self.state.step))
     if self.resumed_from is not None:
       self.logger.message(f"resumed from {self.checkpoints.directory}/{self.resumed_from}")
+    if self.eval_source is None and config.data == "pretokenized":
+      self.logger.message(f"no validation data in {config.data_dir} (one shard, prepared without"
+                          " --val-fraction): nothing is evaluated")
     with checkpointing.StopSignals() as signals:
       summary = self._train_steps(start_step, signals)
     if "stopped_at" in summary:
@@ -174,7 +193,6 @@ class Trainer:
       self.logger.message("stopped: " + json.dumps(summary))
       self.logger.close()
       return summary
-    summary.update(self.evaluate())
     if self.checkpoints is not None:
       final_step = int(sharding.to_host(self.state.step))
       self.checkpoints.save(final_step, self.state, self.data_iterator, wait=True)
@@ -182,6 +200,8 @@ class Trainer:
       summary["export"] = export.export_state_params(
           self.state.params, self.model_config,
           pathlib.Path(config.run_dir) / export.RUN_EXPORT_DIR, dtype=config.export_dtype)
+      if jax.process_index() == 0:
+        export.export_corpus_tokenizer(config, summary["export"])
     self.logger.message("summary: " + json.dumps(summary))
     if jax.process_index() == 0:
       path = pathlib.Path(config.run_dir)
@@ -191,11 +211,17 @@ class Trainer:
     return summary
 
   def _train_steps(self, start_step: int, stop: checkpointing.StopSignals | None) -> dict:
-    """The loop from `start_step` to `config.steps` (or to a stop signal); the summary so far."""
+    """The loop from `start_step` to `config.steps` (or to a stop signal); the summary so far,
+    with the final evaluation when the run reached `config.steps`. Evaluations are logged with
+    the step they follow (step 0: before the first step)."""
     config = self.config
     previous = None
     interval_start, interval_steps, wall_start = None, 0, time.perf_counter()
-    host = {}
+    host, evaluation = {}, None
+    if config.eval_every and start_step == 0:
+      initial = self.evaluate()
+      if initial:
+        self._log_evaluation(0, initial, initial)
     with StepWatchdog(config.step_timeout_s) as watchdog:
       for step in range(start_step + 1, config.steps + 1):
         metrics = self.train_step(next(self.data_iterator))
@@ -209,11 +235,14 @@ class Trainer:
           interval_start = time.perf_counter()
         else:
           interval_steps += 1
-        if step % config.log_every == 0 or step == config.steps:
+        evaluate_now = step == config.steps or (config.eval_every
+                                                and step % config.eval_every == 0)
+        if step % config.log_every == 0 or evaluate_now:
           host = sharding.to_host(metrics)
           check_skipped_steps(host["skipped_consecutive"], step, config.max_consecutive_skips)
           host.update(self._throughput(interval_steps, time.perf_counter() - interval_start))
-          self.logger.log(step, host)
+          evaluation = self.evaluate() if evaluate_now else None
+          self._log_evaluation(step, {**host, **(evaluation or {})}, evaluation)
           interval_start, interval_steps = time.perf_counter(), 0
         for callback in self.callbacks:
           callback(self, step)
@@ -229,9 +258,17 @@ class Trainer:
     if previous is not None:
       check_skipped_steps(sharding.to_host(previous["skipped_consecutive"]), config.steps,
                           config.max_consecutive_skips)
+    if start_step >= config.steps:  # a finished run: evaluated (and logged) when it ended
+      evaluation = self.evaluate()
     return {"steps": config.steps, "elapsed_s": time.perf_counter() - wall_start,
             "final_loss": float(host["loss"]) if host else None,
-            "skipped_total": int(sharding.to_host(self.state.skipped_total))}
+            "skipped_total": int(sharding.to_host(self.state.skipped_total)), **evaluation}
+
+  def _log_evaluation(self, step: int, record: dict, evaluation: dict | None) -> None:
+    """Logs `record` at `step`, and the evaluation (if any) as a line of its own."""
+    self.logger.log(step, record)
+    if evaluation:
+      self.logger.message(f"step {step}: {format_metrics(evaluation)}")
 
   def _throughput(self, steps: int, seconds: float) -> dict:
     if steps == 0 or seconds <= 0:
@@ -244,8 +281,12 @@ class Trainer:
     return result
 
   def evaluate(self) -> dict:
-    """Held-out recall accuracy (fraction of labelled positions predicted exactly, as
-    `lalte_jax.data.score_recall`) and CE on those positions; {} for corpora."""
+    """Held-out metrics on the first `eval_batches` micro-batches of the eval source, read in
+    order (the same rows at every evaluation). Synthetic tasks: recall accuracy (fraction of
+    labelled positions predicted exactly, as `lalte_jax.data.score_recall`) and the CE on those
+    positions. A corpus (a source with `bytes_per_token`): the next-token CE `eval_loss` (nats)
+    and its perplexity and bits per byte (`lalte_jax.eval.perplexity.nll_metrics`, the bytes
+    being the scored tokens times the split's mean bytes per token). {} without an eval source."""
     config = self.config
     source = self.eval_source
     if source is None:
@@ -256,24 +297,28 @@ class Trainer:
                             seed=config.seed, shuffle=False, num_epochs=1,
                             process_index=jax.process_index(),
                             process_count=jax.process_count())
-    graphdef = self.graphdef
-
-    def eval_batch(params, batch):
-      logits_BTV = nnx.merge(graphdef, params)(batch["tokens"])
-      scored_BT = batch["labels"] != IGNORE_LABEL
-      correct = jnp.sum((jnp.argmax(logits_BTV, axis=-1) == batch["labels"]) & scored_BT)
-      return correct, jnp.sum(scored_BT), masked_cross_entropy_sum(logits_BTV, batch["labels"])
-
-    eval_batch = sharding.MeshJit(eval_batch, self.mesh)
-
     correct = scored = ce_sum = 0.0
     for index, local_batch in enumerate(iterator):
       if index >= config.eval_batches:
         break
-      c, s, ce = sharding.to_host(eval_batch(self.state.params,
-                                           sharding.global_batch(local_batch, self.mesh)))
+      batch = sharding.global_batch(with_labels(local_batch), self.mesh)
+      c, s, ce = sharding.to_host(self.eval_fn(self.state.params, batch))
       correct, scored, ce_sum = correct + float(c), scored + float(s), ce_sum + float(ce)
     if scored == 0:
       return {}
-    return {"eval_recall_accuracy": correct / scored, "eval_loss": ce_sum / scored,
+    if not hasattr(source, "bytes_per_token"):
+      return {"eval_recall_accuracy": correct / scored, "eval_loss": ce_sum / scored,
+              "eval_scored_tokens": int(scored)}
+    num_bytes = None if source.bytes_per_token is None else scored * source.bytes_per_token
+    text = nll_metrics(ce_sum, scored, num_bytes)
+    return {"eval_loss": text["nll_per_token"], "eval_perplexity": text["perplexity"],
+            **({"eval_bits_per_byte": text["bits_per_byte"]} if num_bytes else {}),
             "eval_scored_tokens": int(scored)}
+
+
+def _eval_sums(graphdef, params, batch):
+  """(correct argmax predictions, scored positions, summed CE) of one labelled batch."""
+  logits_BTV = nnx.merge(graphdef, params)(batch["tokens"])
+  scored_BT = batch["labels"] != IGNORE_LABEL
+  correct = jnp.sum((jnp.argmax(logits_BTV, axis=-1) == batch["labels"]) & scored_BT)
+  return correct, jnp.sum(scored_BT), masked_cross_entropy_sum(logits_BTV, batch["labels"])

@@ -296,7 +296,7 @@ def test_prepare_data_refuses_bad_inputs(tmp_path):
   with pytest.raises(ValueError, match="unsupported input"):
     prepare_data.run(["--input", str(tmp_path / "a.csv"), "--output-dir", str(tmp_path / "o")])
   (tmp_path / "a.jsonl").write_text(json.dumps({"content": "x"}))
-  with pytest.raises(KeyError, match="--text-field"):
+  with pytest.raises(ValueError, match="no field 'text' .*--text-field"):
     prepare_data.run(["--input", str(tmp_path / "a.jsonl"), "--output-dir", str(tmp_path / "o"),
                        "--no-progress"])
   with pytest.raises(FileNotFoundError, match="metadata.json"):

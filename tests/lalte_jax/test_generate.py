@@ -244,3 +244,30 @@ def test_damaged_checkpoint_exits_2_with_one_line(saved_checkpoint, tmp_path, ca
   err = capsys.readouterr().err
   assert err.count("\n") == 1, err
   assert re.match(f"error: checkpoint: {directory} {DAMAGE_MESSAGES[kind]}", err), err
+
+
+def test_cli_takes_and_prints_token_ids(tmp_path, capsys):
+  model = tiny_model("gdn_swa", init_std=0.2)
+  checkpoint.save_params(model, tmp_path / "ckpt")
+  arguments = ["--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "6", "--print-ids"]
+  cli.main([*arguments, "--prompt-ids", "1,5,9", "--prompt-ids", "7"])
+  lines = capsys.readouterr().out.splitlines()
+  expected = gen.generate(model, [[1, 5, 9], [7]], 6)
+  assert lines == [",".join(str(int(i)) for i in row[:int(n)])
+                   for row, n in zip(expected.tokens, expected.lengths)]
+
+
+@pytest.mark.parametrize("ids, message", [
+    ("1,x,9", "--prompt-ids '1,x,9': expected comma-separated token ids"),
+    ("1,,2", "--prompt-ids '1,,2': expected comma-separated token ids"),
+    ("3,256", r"--prompt-ids '3,256': id 256 is outside the model's vocabulary \[0, 256\)"),
+    ("-1", r"id -1 is outside the model's vocabulary"),
+])
+def test_cli_bad_prompt_ids_exit_2_with_one_line(tmp_path, capsys, ids, message):
+  checkpoint.save_params(tiny_model("gdn_swa", init_std=0.2), tmp_path / "ckpt")
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--checkpoint", str(tmp_path / "ckpt"), f"--prompt-ids={ids}"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1, err
+  assert re.search(message, err), err
