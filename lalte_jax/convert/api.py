@@ -89,17 +89,25 @@ def write_hf(config: ModelConfig, params: dict, out_dir: str | pathlib.Path, *,
     raise ValueError(f"dtype: {dtype!r} is not one of {sorted(STORED_DTYPES)}")
   hf = hf_config.hf_config_from_model(config, torch_dtype=dtype, carried=carried)
   tensors = weights.params_to_hf(config, params, hf_config.lambda_sharing(hf))
-  out_dir = pathlib.Path(out_dir)
-  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-    raise ValueError(f"out: {out_dir} already exists and is not an empty directory")
-  if tokenizer is not None:  # checked before anything is written
-    tokenizer_directory(tokenizer)
+  out_dir = _check_destination(out_dir, tokenizer)
   out_dir.mkdir(parents=True, exist_ok=True)
   stored = STORED_DTYPES[dtype]
   write_safetensors(out_dir, {k: v.astype(stored) for k, v in tensors.items()}, max_shard_bytes)
   (out_dir / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
   if tokenizer is not None:
     copy_tokenizer(tokenizer, out_dir)
+  return out_dir
+
+
+def _check_destination(out_dir: str | pathlib.Path, tokenizer: str | pathlib.Path | None
+                       ) -> pathlib.Path:
+  """ValueError unless `out_dir` is new or empty and `tokenizer` (if any) holds tokenizer.json;
+  checked before anything is read or written."""
+  out_dir = pathlib.Path(out_dir)
+  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    raise ValueError(f"out: {out_dir} already exists and is not an empty directory")
+  if tokenizer is not None:
+    tokenizer_directory(tokenizer)
   return out_dir
 
 
@@ -119,6 +127,7 @@ def save_hf(model_or_export: HybridLM | str | pathlib.Path, out_dir: str | pathl
   """Writes a model, or the params export at a path (`lalte_jax.inference.checkpoint`), as an
   authors' checkpoint directory that their code and FLA load with `from_pretrained`. An export
   converted from their format restores its token ids and LTE training settings."""
+  _check_destination(out_dir, tokenizer)
   carried = None
   if isinstance(model_or_export, HybridLM):
     model = model_or_export
