@@ -4,7 +4,6 @@ and the mistakes every CLI shares (a bad flag, `python -m` itself) behave that w
 import importlib
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -60,12 +59,11 @@ def test_bugs_keep_their_traceback_and_the_switch_shows_one_for_bad_input(capsys
     ("lalte_jax.eval", ["--checkpoint", "x", "--tasks", "nope"], "tasks: unknown ['nope']"),
     ("lalte_jax.convert", ["bogus"], "invalid choice: 'bogus'"),
 ])
-def test_python_m_exits_2_with_one_line(module, argv, message):
+def test_python_m_exits_2_with_one_line(module, argv, message, children):
   """The modules' entry points pass main()'s status on."""
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
   env.pop(cli_boundary.ENV_TRACEBACK, None)
-  done = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+  done = children.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env, timeout=300)
   assert_bad_input(done.returncode, done.stderr, message)
 
 

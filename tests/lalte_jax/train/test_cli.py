@@ -5,7 +5,6 @@ import dataclasses
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -166,13 +165,13 @@ def test_readme_demo_config_is_small():
 
 
 @pytest.mark.slow
-def test_readme_demo_reaches_high_recall_and_exports(tmp_path):
+def test_readme_demo_reaches_high_recall_and_exports(tmp_path, children):
   """The README's main command (output redirected): trains, prints held-out recall, saves."""
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-  result = subprocess.run(
+  result = children.run(
       [sys.executable, "-m", "lalte_jax.train", "--config", str(CONFIGS / "readme_demo.py"),
        "--set", f"output_dir={tmp_path}", "--set", "progress_bar=false"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False)
+      cwd=REPO, env=env, timeout=1200)
   assert result.returncode == 0, result.stdout + result.stderr
   recall = float(re.search(r"held-out recall accuracy ([0-9.]+)", result.stdout).group(1))
   assert recall >= DEMO_MIN_RECALL, result.stdout
