@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import signal
 
 # jaxlib 0.10.2's XLA:CPU can deadlock (all threads idle, block_until_ready never returns) when
 # XNNPACK fusions run on a small thread pool, as on 2-core CI machines; seen with the tiny laLTE
@@ -22,10 +23,30 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 import jax  # pylint: disable=wrong-import-position
 import pytest
 
+from tests.child_processes import ChildProcesses  # pylint: disable=wrong-import-position
+
 # Tests check semantics in full float32: GPUs would otherwise run float32 matmuls in TF32, which
 # moves results by ~1e-3 relative and flips LTE keep/drop decisions that sit near the threshold.
 # Production code keeps JAX's default; the kernel tolerance tables cover bf16 separately.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _interrupt(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
+
+
+# SIGTERM (a CI job's timeout, `kill`) ends the session as Ctrl-C does, through the tests' cleanups,
+# so that no child process of a test (`children` below) outlives it.
+if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+  signal.signal(signal.SIGTERM, _interrupt)
+
+
+@pytest.fixture
+def children():
+  """A `tests.child_processes.ChildProcesses`: the test's children, killed when it ends."""
+  with ChildProcesses() as processes:
+    yield processes
 
 
 def pytest_collection_modifyitems(config, items):

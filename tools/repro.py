@@ -177,6 +177,13 @@ class Scheduler:
       print(f"   {name}: killed after the grace period", flush=True)
 
   def run(self) -> None:
+    try:
+      self._schedule()
+    finally:  # also on Ctrl-C or an error: no run is left behind
+      if self.running:
+        self.stop_all()
+
+  def _schedule(self) -> None:
     while True:
       self.reap()
       if self.time_left() <= self.args.grace_s:

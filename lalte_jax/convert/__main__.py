@@ -1,3 +1,7 @@
+"""`python -m lalte_jax.convert ...`: see `lalte_jax.convert.cli`."""
+
+import sys
+
 from lalte_jax.convert.cli import main
 
-main()
+sys.exit(main())

@@ -78,11 +78,7 @@ def write_hf(config: ModelConfig, params: dict, out_dir: str | pathlib.Path, *,
     raise ValueError(f"dtype: {dtype!r} is not one of {sorted(STORED_DTYPES)}")
   hf = hf_config.hf_config_from_model(config, torch_dtype=dtype, carried=carried)
   tensors = weights.params_to_hf(config, params, hf_config.lambda_sharing(hf))
-  out_dir = pathlib.Path(out_dir)
-  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-    raise ValueError(f"out: {out_dir} already exists and is not an empty directory")
-  if tokenizer is not None:  # checked before anything is written
-    tokenizer_directory(tokenizer)
+  out_dir = _check_destination(out_dir, tokenizer)
   out_dir.mkdir(parents=True, exist_ok=True)
   stored = STORED_DTYPES[dtype]
   write_safetensors(out_dir, {k: v.astype(stored) for k, v in tensors.items()}, max_shard_bytes)
@@ -92,12 +88,25 @@ def write_hf(config: ModelConfig, params: dict, out_dir: str | pathlib.Path, *,
   return out_dir
 
 
+def _check_destination(out_dir: str | pathlib.Path, tokenizer: str | pathlib.Path | None
+                       ) -> pathlib.Path:
+  """ValueError unless `out_dir` is new or empty and `tokenizer` (if any) holds tokenizer.json;
+  checked before anything is read or written."""
+  out_dir = pathlib.Path(out_dir)
+  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    raise ValueError(f"out: {out_dir} already exists and is not an empty directory")
+  if tokenizer is not None:
+    tokenizer_directory(tokenizer)
+  return out_dir
+
+
 def save_hf(model_or_export: HybridLM | str | pathlib.Path, out_dir: str | pathlib.Path, *,
             dtype: str = "float32", tokenizer: str | pathlib.Path | None = None,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> pathlib.Path:
   """Writes a model, or the params export at a path (`lalte_jax.inference.checkpoint`), as an
   authors' checkpoint directory that their code and FLA load with `from_pretrained`. An export
   converted from their format restores its token ids and LTE training settings."""
+  _check_destination(out_dir, tokenizer)
   carried = None
   if isinstance(model_or_export, HybridLM):
     model = model_or_export

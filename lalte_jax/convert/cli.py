@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
+
+from lalte_jax import cli_boundary
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m lalte_jax.convert",
-                                   description=__doc__.splitlines()[0])
+  parser = cli_boundary.ArgumentParser(
+      prog="python -m lalte_jax.convert", description=__doc__.splitlines()[0],
+      example="python -m lalte_jax.convert from-hf ckpt/gated-deltanet-lte-0.4B-10B --out"
+              " ckpt/lalte-0.4b --with-tokenizer")
   commands = parser.add_subparsers(dest="command", required=True)
   from_hf = commands.add_parser("from-hf", help="Hugging Face checkpoint -> params export")
   from_hf.add_argument("source", help="directory with config.json and safetensors weights")
@@ -71,11 +74,8 @@ def to_hf(args) -> str:
   return f"wrote {out.absolute()}: {', '.join(files)}"
 
 
-def main(argv: list[str] | None = None) -> None:
+@cli_boundary.reports_bad_input
+def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  try:
-    message = (from_hf if args.command == "from-hf" else to_hf)(args)
-  except (ValueError, FileNotFoundError) as error:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2) from None
-  print(message)
+  print((from_hf if args.command == "from-hf" else to_hf)(args))
+  return 0

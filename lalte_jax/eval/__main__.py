@@ -1,5 +1,7 @@
 """`python -m lalte_jax.eval ...`: see `lalte_jax.eval.cli`."""
 
+import sys
+
 from lalte_jax.eval.cli import main
 
-main()
+sys.exit(main())

@@ -2,11 +2,14 @@
 
 Loads a params-only checkpoint (`lalte_jax.inference.checkpoint.load_model`) and a tokenizer
 (`--tokenizer FILE`, else the checkpoint's tokenizer.json, else bytes; synthetic tasks use the
-model's ids directly), runs the tasks through the inference path (cached prefill / greedy decode,
-LTE cap enforced, G24) with a progress bar per task and length, and writes `results.json` and `results.md` under
-`--output-dir`. MQAR accuracy is teacher-forced from the prefill logits at every position; the
-other generative tasks decode greedily. Tasks: see `lalte_jax.eval.suite`. Bad inputs exit 2
-with a one-line error.
+model's ids directly), runs the tasks through the inference path (cached prefill / greedy
+decode, LTE cap enforced, G24) with a progress bar per task and length, and writes the report
+under `--output-dir` (default `<checkpoint>/eval`): each run writes new files
+`results-<UTC time>.json` and `.md` (an earlier run's are never replaced), and copies them to
+`results.json` / `results.md`, which hold the newest run. MQAR accuracy is teacher-forced from
+the prefill logits at every position; the other generative tasks decode greedily. Tasks: see
+`lalte_jax.eval.suite`. Bad inputs (paths, tasks, values) are checked before the model runs
+and exit 2 with a one-line error.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import sys
 
 # jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK on small thread pools (see lalte_jax/train/cli.py).
 if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
                              ).strip()
+
+from lalte_jax import cli_boundary  # pylint: disable=wrong-import-position
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -32,8 +36,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
   from lalte_jax.eval import suite  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m lalte_jax.eval",
-                                   description=__doc__.splitlines()[0])
+  parser = cli_boundary.ArgumentParser(
+      prog="python -m lalte_jax.eval", description=__doc__.splitlines()[0],
+      example="python -m lalte_jax.eval --checkpoint runs/readme_demo/export --tasks"
+              " mqar,passkey --lengths 256 --num-examples 32")
   parser.add_argument("--checkpoint", required=True, help="params-only checkpoint directory")
   parser.add_argument("--tasks", required=True,
                       help=f"comma-separated, from {','.join(suite.ALL_TASKS)}")
@@ -55,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--ppl-sequences", type=int, default=64)
   parser.add_argument("--evaporate-dir", help="directory of <task>.jsonl files (EVAPORATE)")
   parser.add_argument("--evaporate-context-length", type=int, default=4096)
-  parser.add_argument("--output-dir", help="default: <checkpoint>/eval")
+  parser.add_argument("--output-dir", help="default: <checkpoint>/eval; each run adds"
+                      " results-<UTC time>.json/.md and updates results.json/.md")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   return parser
 
@@ -75,6 +82,9 @@ def run(argv: list[str] | None = None) -> dict:
       data_dir=args.data_dir, ppl_sequences=args.ppl_sequences,
       evaporate_dir=args.evaporate_dir, evaporate_context_length=args.evaporate_context_length,
       progress=not args.no_progress)
+  suite.check_inputs(options)
+  output_dir = report.check_output_dir(args.output_dir
+                                       or pathlib.Path(args.checkpoint) / "eval")
   tokenizer = tokenizers.tokenizer_for_checkpoint(args.tokenizer, args.checkpoint)
   model = checkpoint.load_model(args.checkpoint, dtype=args.dtype)
   records = suite.run_suite(model, options, tokenizer)
@@ -86,17 +96,14 @@ def run(argv: list[str] | None = None) -> dict:
               " teacher-forced accuracy (%) over query positions from the prefill logits;"
               " passkey / S-NIAH / EVAPORATE: greedy decoding (%); ppl: bits per byte.\n\n"
               + report.task_table(records))
-  output_dir = args.output_dir or str(pathlib.Path(args.checkpoint) / "eval")
   json_path, markdown_path = report.write_report(output_dir, payload, markdown)
   payload["paths"] = [str(json_path), str(markdown_path)]
   return payload
 
 
-def main(argv: list[str] | None = None) -> None:
-  try:
-    payload = run(argv)
-  except ValueError as error:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2) from None
+@cli_boundary.reports_bad_input
+def main(argv: list[str] | None = None) -> int:
+  payload = run(argv)
   print(pathlib.Path(payload["paths"][1]).read_text(encoding="utf-8"))
-  print(f"wrote {', '.join(payload['paths'])}")
+  print(f"wrote {', '.join(payload['paths'])} (newest copied to results.json/.md)")
+  return 0

@@ -45,12 +45,18 @@ def cut_at_stop(text: str, stops: Sequence[str] = (STOP_STRING,)) -> str:
   return text[:end]
 
 
-def load_documents(path: str | pathlib.Path, limit: int | None = None) -> list[Document]:
-  """Documents of a JSONL file with "text" and "value" (a string or a list of strings)."""
+def require_file(path: str | pathlib.Path) -> pathlib.Path:
+  """`path` as a Path; ValueError naming it if it is not a file."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise ValueError(f"evaporate: {path} does not exist (expected a JSONL file with \"text\" and"
                      " \"value\" per line)")
+  return path
+
+
+def load_documents(path: str | pathlib.Path, limit: int | None = None) -> list[Document]:
+  """Documents of a JSONL file with "text" and "value" (a string or a list of strings)."""
+  path = require_file(path)
   documents = []
   for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
     if not line.strip():

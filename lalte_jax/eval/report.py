@@ -7,8 +7,11 @@ length), "metric", "value", ...details}. Tables pivot records: one row per value
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
+import shutil
+import time
 from collections.abc import Sequence
 
 
@@ -64,12 +67,34 @@ def comparison_table(records: Sequence[dict], row_key: str = "model",
   return "\n".join(lines)
 
 
+def check_output_dir(output_dir: str | pathlib.Path) -> pathlib.Path:
+  """`output_dir` as a Path; ValueError if it exists and is not a directory."""
+  output_dir = pathlib.Path(output_dir)
+  if output_dir.exists() and not output_dir.is_dir():
+    raise ValueError(f"output_dir: {output_dir} exists and is not a directory")
+  return output_dir
+
+
 def write_report(output_dir: str | pathlib.Path, payload: dict, markdown: str,
                  stem: str = "results") -> tuple[pathlib.Path, pathlib.Path]:
-  """Writes `<stem>.json` (payload) and `<stem>.md` (markdown) under `output_dir`."""
-  output_dir = pathlib.Path(output_dir)
+  """Writes this run's `<stem>-<UTC time>.json` (payload) and `.md` (markdown) under `output_dir`,
+  never replacing an earlier run's files (a `-2`, `-3`... suffix if the second is taken), and
+  copies them to `<stem>.json` / `<stem>.md`, which always hold the newest run. Returns the run's
+  two paths."""
+  output_dir = check_output_dir(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
-  json_path, markdown_path = output_dir / f"{stem}.json", output_dir / f"{stem}.md"
-  json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+  run_stem = f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+  text = json.dumps(payload, indent=2, default=str) + "\n"
+  for attempt in itertools.count(1):
+    name = run_stem if attempt == 1 else f"{run_stem}-{attempt}"
+    json_path, markdown_path = output_dir / f"{name}.json", output_dir / f"{name}.md"
+    try:
+      with json_path.open("x", encoding="utf-8") as file:  # claims the name, even against a
+        file.write(text)                                     # concurrent run
+      break
+    except FileExistsError:
+      continue
   markdown_path.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+  for path in (json_path, markdown_path):
+    shutil.copyfile(path, output_dir / f"{stem}{path.suffix}")
   return json_path, markdown_path

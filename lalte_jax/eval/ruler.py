@@ -114,8 +114,8 @@ def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[s
 # Haystacks
 
 
-def load_essay_words(directory: str | pathlib.Path) -> list[str]:
-  """Whitespace-separated words of every `.txt` file under `directory` (sorted by path)."""
+def essay_files(directory: str | pathlib.Path) -> list[pathlib.Path]:
+  """The `.txt` files under `directory` (sorted by path); ValueError if there are none."""
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     raise ValueError(f"haystack_dir: {directory} is not a directory (S-NIAH-2/3 read essays from"
@@ -123,7 +123,13 @@ def load_essay_words(directory: str | pathlib.Path) -> list[str]:
   files = sorted(directory.rglob("*.txt"))
   if not files:
     raise ValueError(f"haystack_dir: {directory} holds no .txt file")
-  text = " ".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
+  return files
+
+
+def load_essay_words(directory: str | pathlib.Path) -> list[str]:
+  """Whitespace-separated words of every `.txt` file under `directory` (sorted by path)."""
+  text = " ".join(path.read_text(encoding="utf-8", errors="replace")
+                  for path in essay_files(directory))
   return text.split()
 
 

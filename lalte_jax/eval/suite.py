@@ -16,6 +16,7 @@ import functools
 import pathlib
 
 from lalte_jax.data import tokenizer as tokenizers
+from lalte_jax.data.pretokenized import read_metadata
 from lalte_jax.data.synthetic import PasskeySource
 from lalte_jax.eval import evaporate, perplexity, recall, ruler
 
@@ -66,6 +67,21 @@ class EvalOptions:
       raise ValueError("evaporate_dir: EVAPORATE tasks read <dir>/<task>.jsonl")
 
 
+def evaporate_path(options: EvalOptions, task: str) -> pathlib.Path:
+  return pathlib.Path(options.evaporate_dir) / f"{task}.jsonl"
+
+
+def check_inputs(options: EvalOptions) -> None:
+  """Checks the files and directories the tasks will read, before any model runs: raises
+  ValueError / FileNotFoundError naming the first one missing."""
+  if {"sniah2", "sniah3"} & set(options.tasks):
+    ruler.essay_files(options.haystack_dir)
+  if "ppl" in options.tasks:
+    read_metadata(options.data_dir)
+  for task in set(evaporate.TASKS) & set(options.tasks):
+    evaporate.require_file(evaporate_path(options, task))
+
+
 def _progress_bar(enabled: bool, total: int, description: str):
   if not enabled:
     return None
@@ -78,6 +94,7 @@ def _progress_bar(enabled: bool, total: int, description: str):
 
 def run_suite(model, options: EvalOptions, tokenizer=None) -> list[dict]:
   """One record per (task, length) (see `lalte_jax.eval.report`), in task then length order."""
+  check_inputs(options)
   tokenizer = tokenizer if tokenizer is not None else tokenizers.load_tokenizer(None)
   vocab_size = model.config.vocab_size
   encode = functools.partial(tokenizers.encode_prompt, tokenizer, vocab_size=vocab_size)
@@ -130,8 +147,7 @@ def _run_one(model, options, task, length, tokenizer, encode, stop, essay_words,
     result = perplexity.evaluate_perplexity(model, options.data_dir, tokenizer,
                                             num_sequences=options.ppl_sequences, **common)
     return {"metric": "bits_per_byte", "value": result["bits_per_byte"], **result}
-  documents = evaporate.load_documents(pathlib.Path(options.evaporate_dir) / f"{task}.jsonl",
-                                       limit=options.num_examples)
+  documents = evaporate.load_documents(evaporate_path(options, task), limit=options.num_examples)
   if bar is not None:
     bar.reset(total=len(documents))
   result = evaporate.evaluate_evaporate(model, documents, encode, tokenizer.decode,

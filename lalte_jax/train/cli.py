@@ -8,14 +8,17 @@ The run saves checkpoints in <output_dir>/checkpoints and resumes from the newes
 when started again with the same output_dir (see lalte_jax/train/checkpointing.py); at the end it exports
 the parameters for inference into <output_dir>/export. SIGTERM or SIGINT (Ctrl-C) saves the
 current step and exits 0; running the same command again continues from there.
-Exit codes: 0 done (or stopped by a signal after saving), 2 bad configuration, 3 stopped after
-too many non-finite-gradient steps, 4 no step finished within step_timeout_s (lalte_jax/train/watchdog.py).
+Exit codes: 0 done (or stopped by a signal after saving), 2 bad input (a one-line error naming
+it: config file, field, value, path, flag; lalte_jax/cli_boundary.py), 3 stopped after too many
+non-finite-gradient steps, 4 no step finished within step_timeout_s (lalte_jax/train/watchdog.py).
+`--list-fields` prints every field a config may set (lalte_jax/train/config_fields.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 # XLA:CPU in jaxlib 0.10.2 can deadlock (every thread idle, block_until_ready never returns) when
@@ -25,27 +28,55 @@ if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
                              ).strip()
 
+from lalte_jax import cli_boundary  # pylint: disable=wrong-import-position
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="lalte-train", description=__doc__.splitlines()[0])
-  parser.add_argument("--config", required=True, help="experiment file exposing get_config()")
+
+def build_parser() -> argparse.ArgumentParser:
+  from lalte_jax.train.config import shipped_configs  # pylint: disable=import-outside-toplevel
+  parser = cli_boundary.ArgumentParser(
+      prog="python -m lalte_jax.train", description=__doc__.splitlines()[0],
+      notes=[f"shipped configs (--config NAME): {', '.join(shipped_configs())}; or the path of a"
+             " Python file whose get_config() returns a TrainConfig.",
+             "config fields: --set NAME=VALUE sets any TrainConfig field, --set model.NAME=VALUE"
+             " any field of the model preset (model.lte.window=32); --list-fields prints them all"
+             " with their types, defaults and descriptions."],
+      exit_codes={0: "done, or stopped by SIGTERM/SIGINT after saving",
+                  3: "too many non-finite steps in a row (max_consecutive_skips)",
+                  4: "no step finished within step_timeout_s (watchdog)",
+                  134: "multi-process: a peer died"},
+      example="python -m lalte_jax.train --config readme_demo --set output_dir=runs/demo"
+              " --set steps=100")
+  parser.add_argument("--config", help="a shipped config's name or an experiment file exposing"
+                      " get_config() (required unless --list-fields)")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY=VALUE", help="override a TrainConfig field (repeatable)")
+  parser.add_argument("--list-fields", action="store_true",
+                      help="print every field a config may set, and exit")
   parser.add_argument("--coordinator_address", default=None)
   parser.add_argument("--num_processes", type=int, default=None)
   parser.add_argument("--process_id", type=int, default=None)
   parser.add_argument("--heartbeat_timeout_s", type=int, default=None,
                       help="multi-process: seconds after which a silent peer counts as dead"
                            " and every process aborts (default: LALTE_HEARTBEAT_TIMEOUT_S or 100)")
+  return parser
+
+
+@cli_boundary.reports_bad_input
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
   args = parser.parse_args(argv)
+  if args.list_fields:
+    from lalte_jax.train.config_fields import describe_fields  # pylint: disable=import-outside-toplevel
+    print(describe_fields())
+    return 0
+  if args.config is None:
+    parser.error("the following arguments are required: --config")
 
   from lalte_jax.train import distributed  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.config import load_config  # pylint: disable=import-outside-toplevel
-  try:
-    config = load_config(args.config, args.overrides)
-  except (ValueError, FileNotFoundError) as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
+  config = load_config(args.config, args.overrides)
+  if pathlib.Path(config.run_dir).exists() and not pathlib.Path(config.run_dir).is_dir():
+    raise ValueError(f"TrainConfig.output_dir: {config.run_dir} exists and is not a directory")
   distributed.initialize_distributed(args.coordinator_address, args.num_processes,
                                      args.process_id,
                                      heartbeat_timeout_seconds=args.heartbeat_timeout_s)
@@ -60,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
           f" tokens, output in {config.run_dir}", flush=True)
   checkpoints = RunCheckpoints.for_run(config)
   try:
-    try:
-      trainer = Trainer(config, checkpoints=checkpoints)
-    except ValueError as error:
-      print(f"error: {error}", file=sys.stderr)
-      return 2
+    trainer = Trainer(config, checkpoints=checkpoints)
     try:
       summary = trainer.run()
     except TooManySkippedSteps as error:

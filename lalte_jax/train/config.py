@@ -334,6 +334,8 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
   sys.modules[spec.name] = module
   try:
     spec.loader.exec_module(module)
+  except SyntaxError as error:  # the user's file; other exceptions in it keep their traceback
+    raise ValueError(f"config file {str(path)!r}: {error.msg} (line {error.lineno})") from None
   finally:
     del sys.modules[spec.name]
   if not hasattr(module, "get_config"):

@@ -7,7 +7,8 @@ from the arguments or else from the environment:
   LALTE_PROCESS_ID           this process's index in [0, num_processes)
   LALTE_HEARTBEAT_TIMEOUT_S  seconds without a heartbeat after which a peer counts as dead
                              (default 100)
-  LALTE_INIT_TIMEOUT_S       seconds to wait for every process to join (default 300)
+  LALTE_INIT_TIMEOUT_S       seconds to wait for every process to join, and for the slowest
+                             process to finish compiling a step (default 300)
 
 Failure bound. When a process dies (crash, OOM kill, SIGKILL, lost node), the survivors are stuck
 in a collective that can never complete: XLA's collectives have no timeout of their own. The
@@ -22,7 +23,14 @@ makes the others fail after `initialization_timeout` seconds.
 
 CPU collectives: multi-process CPU runs (tests, CPU clusters) exchange data through gloo over TCP,
 the default of jax's `jax_cpu_collectives_implementation` in 0.10.x; it is set when unset. It
-concerns only the CPU client; GPUs use NCCL.
+concerns only the CPU client; GPUs use NCCL. The first collective over a set of devices sets up a
+gloo context, whose rendezvous gives up after a fixed 30 s (gloo's default, which jaxlib 0.10.2
+exposes no setting for), so processes that reach their first step further apart than that fail
+with "Gloo context initialization failed: DEADLINE_EXCEEDED". Compilation alone can make them:
+on a loaded machine, or when one process finds the step in the compilation cache and another does
+not. So every process compiles a step before running it and then waits for the others at
+`wait_for_all_processes`, a barrier of the coordination service whose timeout is ours
+(`lalte_jax.train.sharding.MeshJit`).
 """
 
 from __future__ import annotations
@@ -51,6 +59,19 @@ def _int_setting(value: int | None, env_name: str, argument: str, default: int |
       raise ValueError(f"distributed: {env_name}={text!r} (for {argument}) is not an integer"
                        ) from None
   return default if value is None else value
+
+
+def wait_for_all_processes(name: str, timeout_seconds: int | None = None) -> None:
+  """Returns once every process of the run has called this with `name` (in the same order);
+  at once without `jax.distributed`. Waits at most `timeout_seconds` (else LALTE_INIT_TIMEOUT_S,
+  else 300) and then raises; unlike a collective it sets up nothing that times out sooner."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  client = jax_distributed.global_state.client  # no public accessor in jax 0.10-0.11
+  if client is None or jax.process_count() == 1:
+    return
+  timeout_seconds = _int_setting(timeout_seconds, ENV_INIT_TIMEOUT, "timeout_seconds",
+                                 DEFAULT_INIT_TIMEOUT_S)
+  client.wait_at_barrier(f"lalte:{name}", timeout_seconds * 1000)
 
 
 def _use_gloo_on_cpu() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lalte_jax.sharding import BATCH_AXES, MESH_AXES
+from lalte_jax.train import distributed
 
 # (path regex, dimension sharded over "tensor"); first match wins.
 TENSOR_RULES = (
@@ -97,14 +98,24 @@ def train_state_shardings(state_shapes, mesh: Mesh):
 
 class MeshJit:
   """A `jax.jit` function traced, compiled and run under `jax.set_mesh(mesh)`, so that the
-  model's kernels run per shard (`lalte_jax.sharding.per_shard`) instead of being gathered."""
+  model's kernels run per shard (`lalte_jax.sharding.per_shard`) instead of being gathered.
+
+  With several processes the first call compiles, then waits until every process has compiled
+  (`distributed.wait_for_all_processes`) before running: the first collective must find the
+  other processes within gloo's fixed 30 s (see lalte_jax/train/distributed.py)."""
 
   def __init__(self, fn, mesh: Mesh, **jit_kwargs):
     self.jitted = jax.jit(fn, **jit_kwargs)
     self.mesh = mesh
+    self.name = getattr(fn, "__name__", "function")
+    self._compiled_everywhere = False
 
   def __call__(self, *args):
     with jax.set_mesh(self.mesh):
+      if not self._compiled_everywhere and jax.process_count() > 1:
+        self.jitted.lower(*args).compile()  # the call below reuses this executable
+        distributed.wait_for_all_processes(f"compiled {self.name}")
+      self._compiled_everywhere = True
       return self.jitted(*args)
 
   def lower(self, *args):

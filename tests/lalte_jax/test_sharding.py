@@ -10,7 +10,6 @@ with the platform's default kernels (Triton).
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -71,11 +70,10 @@ def check(results: dict, tolerance: float) -> None:
 
 
 @pytest.mark.slow
-def test_mixer_kernels_run_per_shard_and_match_the_unsharded_model():
+def test_mixer_kernels_run_per_shard_and_match_the_unsharded_model(children):
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_xnnpack=false")
-  proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                        text=True, timeout=900, check=False)
+  proc = children.run([sys.executable, __file__], env=env, cwd=REPO, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))
   results = json.loads(line[len("RESULTS "):])

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -22,14 +21,14 @@ def _load_module():
 
 
 @pytest.mark.slow
-def test_tiny_preset_runs_and_reports(tmp_path):
+def test_tiny_preset_runs_and_reports(tmp_path, children):
   output = tmp_path / "bench.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  done = subprocess.run(
+  done = children.run(
       [sys.executable, str(SCRIPT), "--presets", "lalte-tiny", "--seq_len", "64", "--steps", "2",
        "--warmup", "1", "--batch", "2", "--grad_accum", "2", "--remat", "block",
        "--json", str(output)],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
+      cwd=tmp_path, env=env, timeout=900)
   assert done.returncode == 0, done.stderr[-4000:]
   (result,) = json.loads(output.read_text())
   assert result["status"] == "ok", result

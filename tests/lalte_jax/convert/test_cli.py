@@ -30,7 +30,8 @@ def test_from_hf_then_to_hf(tmp_path, capsys):
   (source / "config.json").write_text(json.dumps(hf))
   write_tokenizer(source, config.vocab_size)
 
-  cli.main(["from-hf", str(source), "--out", str(tmp_path / "export"), "--with-tokenizer"])
+  assert cli.main(["from-hf", str(source), "--out", str(tmp_path / "export"),
+                   "--with-tokenizer"]) == 0
   assert "converted" in capsys.readouterr().out
   model = checkpoint.load_model(tmp_path / "export")
   assert model.config.replace(name=config.name) == config
@@ -38,8 +39,8 @@ def test_from_hf_then_to_hf(tmp_path, capsys):
                      params)
   assert (tmp_path / "export" / "tokenizer.json").is_file()
 
-  cli.main(["to-hf", str(tmp_path / "export"), "--out", str(tmp_path / "back"),
-            "--tokenizer", str(tmp_path / "export")])
+  assert cli.main(["to-hf", str(tmp_path / "export"), "--out", str(tmp_path / "back"),
+                   "--tokenizer", str(tmp_path / "export")]) == 0
   back = json.loads((tmp_path / "back" / "config.json").read_text())
   assert (back["bos_token_id"], back["eos_token_id"], back["pad_token_id"]) == (5, 6, 0)
   assert back["architectures"] == ["HybridGatedDeltaNetForCausalLM"]

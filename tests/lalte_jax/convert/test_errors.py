@@ -9,6 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 from lalte_jax.config import get_model_config
 from lalte_jax.convert import cli, load_hf
+from tests.cli_testing import check_bad_input
 from tests.lalte_jax.convert.helpers import write_checkpoint
 
 
@@ -73,14 +74,41 @@ def test_bad_tensors(case, checkpoint_dir):
     load_hf(checkpoint_dir)
 
 
-def test_absent_tokenizer_is_a_cli_error(checkpoint_dir, tmp_path, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    cli.main(["from-hf", str(checkpoint_dir), "--out", str(tmp_path / "export"),
-              "--with-tokenizer"])
-  assert exit_info.value.code == 2
-  assert capsys.readouterr().err.strip() == (f"error: tokenizer: {checkpoint_dir} holds no"
-                                             " tokenizer.json")
-  assert not (tmp_path / "export").exists()
+# CLI arguments -> what the one-line error must say; {hf} is a valid checkpoint, {tmp} the test's
+# directory (it holds hf/, so it is not empty).
+CLI_BAD_INPUTS = {
+    "no subcommand": ([], "the following arguments are required: command"),
+    "unknown subcommand": (["from_hf"], "invalid choice: 'from_hf'"),
+    "missing source": (["from-hf", "{tmp}/missing", "--out", "{tmp}/out"],
+                       "checkpoint {tmp}/missing: no config.json"),
+    "source without weights": (["from-hf", "{tmp}/no_weights", "--out", "{tmp}/out"],
+                               "no model.safetensors or model.safetensors.index.json"),
+    "source config not JSON": (["from-hf", "{tmp}/bad_json", "--out", "{tmp}/out"],
+                               "config.json: not valid JSON"),
+    "from-hf out exists": (["from-hf", "{hf}", "--out", "{tmp}"], "out: {tmp} already exists"),
+    "absent tokenizer": (["from-hf", "{hf}", "--out", "{tmp}/out", "--with-tokenizer"],
+                         "tokenizer: {hf} holds no tokenizer.json"),
+    "bad dtype": (["from-hf", "{hf}", "--out", "{tmp}/out", "--dtype", "int4"],
+                  "argument --dtype: invalid choice: 'int4'"),
+    "to-hf source not an export": (["to-hf", "{hf}", "--out", "{tmp}/out"],
+                                   "lacks model.json or params/"),
+    "to-hf out not empty": (["to-hf", "{tmp}/missing", "--out", "{tmp}"],
+                            "out: {tmp} already exists and is not an empty directory"),
+    "to-hf missing tokenizer": (["to-hf", "{tmp}/missing", "--out", "{tmp}/out", "--tokenizer",
+                                 "{tmp}/missing"], "tokenizer: {tmp}/missing holds no tokenizer"),
+    "to-hf shard size": (["to-hf", "{tmp}/missing", "--out", "{tmp}/out", "--max-shard-gb", "0"],
+                         "--max-shard-gb: must be positive, got 0.0"),
+}
+
+
+@pytest.mark.parametrize("case", CLI_BAD_INPUTS)
+def test_cli_bad_input_is_one_line_and_exit_2(case, checkpoint_dir, tmp_path, capsys):
+  (tmp_path / "no_weights").mkdir()
+  (tmp_path / "no_weights" / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+  (tmp_path / "bad_json").mkdir()
+  (tmp_path / "bad_json" / "config.json").write_text("{")
+  check_bad_input(cli.main, *CLI_BAD_INPUTS[case], capsys, hf=checkpoint_dir, tmp=tmp_path)
+  assert not (tmp_path / "out").exists()
 
 
 def test_unexportable_layer_pattern(tmp_path):

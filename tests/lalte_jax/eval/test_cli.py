@@ -1,14 +1,18 @@
-"""`python -m lalte_jax.eval` end to end on a tiny checkpoint: JSON and markdown reports."""
+"""`python -m lalte_jax.eval` end to end on a tiny checkpoint: JSON and markdown reports, one new
+pair per run; every bad input is one line and exit 2."""
 
 import json
+import pathlib
+import re
 
 import pytest
 from flax import nnx
 
 from lalte_jax.config import get_model_config
-from lalte_jax.eval import cli
+from lalte_jax.eval import cli, report
 from lalte_jax.inference import checkpoint
 from lalte_jax.model import HybridLM
+from tests.cli_testing import check_bad_input
 
 
 @pytest.mark.slow
@@ -31,13 +35,53 @@ def test_eval_cli_writes_json_and_markdown(tmp_path):
   markdown = (tmp_path / "out" / "results.md").read_text()
   assert "| mqar_long_gap | accuracy |" in markdown and "| task | metric | 600 |" in markdown
   assert payload["results"] == stored["results"]
+  run_json, run_markdown = map(pathlib.Path, payload["paths"])  # this run's own files
+  assert run_json.parent == tmp_path / "out" and run_json.name.startswith("results-")
+  assert json.loads(run_json.read_text()) == stored and run_markdown.read_text() == markdown
 
 
-def test_bad_arguments_exit_with_a_one_line_error(tmp_path, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    cli.main(["--checkpoint", str(tmp_path), "--tasks", "mqar,nope"])
-  assert exit_info.value.code == 2
-  assert "unknown ['nope']" in capsys.readouterr().err
-  with pytest.raises(SystemExit):
-    cli.main(["--checkpoint", str(tmp_path), "--tasks", "sniah2", "--lengths", "1024"])
-  assert "haystack_dir" in capsys.readouterr().err
+# arguments after --checkpoint <tmp>/export --tasks mqar (an option given again wins) ->
+# what the one-line error must say; {tmp} is the test's directory.
+EVAL_BAD_INPUTS = {
+    "missing checkpoint": (["--checkpoint", "{tmp}/missing"], "{tmp}/missing is not a directory"),
+    "not a params export": (["--checkpoint", "{tmp}"], "lacks model.json or params/"),
+    "unknown task": (["--tasks", "mqar,nope"], "tasks: unknown ['nope']"),
+    "lengths not ints": (["--lengths", "1k"], "argument --lengths: expected comma-separated ints"),
+    "zero length": (["--lengths", "0"], "lengths: must be positive, got [0]"),
+    "zero examples": (["--num-examples", "0"], "num_examples: must be positive, got 0"),
+    "bad dtype": (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    "missing tokenizer": (["--tokenizer", "{tmp}/tok.json"], "tokenizer file {tmp}/tok.json does"),
+    "sniah2 without haystack": (["--tasks", "sniah2"], "haystack_dir: sniah2/sniah3 need"),
+    "missing haystack": (["--tasks", "sniah3", "--haystack-dir", "{tmp}/missing"],
+                         "haystack_dir: {tmp}/missing is not a directory"),
+    "haystack without essays": (["--tasks", "sniah2", "--haystack-dir", "{tmp}/export"],
+                                "haystack_dir: {tmp}/export holds no .txt file"),
+    "missing ppl corpus": (["--tasks", "ppl", "--data-dir", "{tmp}/missing"],
+                           "{tmp}/missing is not a prepared corpus"),
+    "missing EVAPORATE file": (["--tasks", "mqar,fda", "--evaporate-dir", "{tmp}"],
+                               "evaporate: {tmp}/fda.jsonl does not exist"),
+    "output_dir is a file": (["--output-dir", "{tmp}/export/model.json"],
+                             "output_dir: {tmp}/export/model.json exists and is not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", EVAL_BAD_INPUTS)
+def test_eval_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
+  """Each is found before a model runs (no checkpoint is loaded: the export is a stand-in)."""
+  (tmp_path / "export" / "params").mkdir(parents=True)
+  (tmp_path / "export" / "model.json").write_text("{}")
+  arguments, message = EVAL_BAD_INPUTS[case]
+  check_bad_input(cli.main, ["--checkpoint", "{tmp}/export", "--tasks", "mqar", "--no-progress",
+                             *arguments], message, capsys, tmp=tmp_path)
+  assert not list(tmp_path.rglob("results*"))
+
+
+def test_each_run_writes_new_reports_and_a_copy_of_the_newest(tmp_path):
+  first = report.write_report(tmp_path, {"run": 1}, "first")
+  second = report.write_report(tmp_path, {"run": 2}, "second")
+  assert first != second and all(p.is_file() for p in first + second)
+  assert re.fullmatch(r"results-\d{8}-\d{6}(-\d+)?\.json", first[0].name), first[0].name
+  assert json.loads(first[0].read_text()) == {"run": 1}  # never replaced
+  assert first[1].read_text() == "first\n"
+  assert json.loads((tmp_path / "results.json").read_text()) == {"run": 2}
+  assert (tmp_path / "results.md").read_text() == "second\n"

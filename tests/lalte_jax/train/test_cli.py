@@ -1,18 +1,20 @@
-"""The training CLI end to end: custom model overrides, resume guards, and the README's demo run."""
+"""The training CLI end to end: custom model overrides, resume guards, and the README's demo run;
+every bad input of the train and export CLIs is one line and exit 2; --help and --list-fields."""
 
+import dataclasses
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax.numpy as jnp
 import pytest
 
 from lalte_jax.inference import checkpoint as params_checkpoint
-from lalte_jax.train import checkpointing
+from lalte_jax.train import checkpointing, export
 from lalte_jax.train.cli import main
-from lalte_jax.train.config import TrainConfig, apply_overrides, load_config
+from lalte_jax.train.config import TrainConfig, apply_overrides, load_config, shipped_configs
+from tests.cli_testing import check_bad_input
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "lalte_jax" / "configs"
@@ -58,14 +60,103 @@ def test_checkpoint_fields_are_validated():
       apply_overrides(TrainConfig(), [assignment])
 
 
-def test_existing_checkpoints_without_resume_are_an_error(tmp_path, capsys):
-  checkpoints = checkpointing.RunCheckpoints(tmp_path / "checkpoints", keep=1)
+def _checkpoints_of_step_3(run_dir: pathlib.Path) -> pathlib.Path:
+  """A run directory whose checkpoints/ holds one (tiny, not a train state) checkpoint, step 3."""
+  checkpoints = checkpointing.RunCheckpoints(run_dir / "checkpoints", keep=1)
   checkpoints.save(3, {"step": jnp.zeros((), jnp.int32)}, wait=True)
   checkpoints.close()
-  code = main(["--config", str(CONFIGS / "tiny_mqar.py"), "--set", f"output_dir={tmp_path}",
-               "--set", "resume=false", "--set", "progress_bar=false"])
-  assert code == 2
-  assert "holds checkpoints (steps [3]) but resume=False" in capsys.readouterr().err
+  return run_dir
+
+
+# (arguments after --config tiny_mqar --set output_dir=<tmp>/run, or a whole argv when it starts
+# with --; {tmp} is the test's directory) -> what the one-line error must say.
+TRAIN_BAD_INPUTS = {
+    "missing config": (["--config", "nonexistent"], "'nonexistent' is neither a file nor a"),
+    "config syntax error": (["--config", "{tmp}/syntax.py"], "syntax.py': invalid syntax (line 1)"),
+    "config without get_config": (["--config", "{tmp}/empty.py"], "has no get_config() function"),
+    "bad config argument": (["--config", "repro/capacity:nope"], "'nope' is not one of"),
+    "no --config": (["--set", "steps=2"], "the following arguments are required: --config"),
+    "unknown flag": (["--config", "tiny_mqar", "--stpes", "3"], "unrecognized arguments: --stpes"),
+    "unknown key": (["--set", "stpes=3"], "unknown config key 'stpes'"),
+    "value of the wrong type": (["--set", "steps=many"], "--set steps=many: expected int"),
+    "no value": (["--set", "steps"], "--set 'steps': expected key=value"),
+    "invalid value": (["--set", "warmup_steps=500"], "TrainConfig.warmup_steps: 500 must be below"),
+    "unknown model field": (["--set", "model.hidden_sise=3"], "'hidden_sise' is not a ModelConfig"),
+    "pretokenized without data_dir": (["--set", "data=pretokenized"], "TrainConfig.data_dir"),
+    "missing data_dir": (["--set", "data=pretokenized", "--set", "data_dir={tmp}/missing"],
+                         "{tmp}/missing is not a prepared corpus"),
+    "output_dir is a file": (["--set", "output_dir={tmp}/syntax.py"],
+                             "{tmp}/syntax.py exists and is not a directory"),
+    "mesh larger than the devices": (["--set", "mesh_fsdp=3"], "does not divide the 1 devices"),
+    "process id missing": (["--coordinator_address", "localhost:1", "--num_processes", "2"],
+                           "process id None must be given"),
+    "checkpoints but resume=false": (["--set", "output_dir={tmp}/done", "--set", "resume=false"],
+                                     "holds checkpoints (steps [3]) but resume=False"),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_BAD_INPUTS)
+def test_train_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
+  (tmp_path / "syntax.py").write_text("def get_config(:\n")
+  (tmp_path / "empty.py").write_text("x = 1\n")
+  _checkpoints_of_step_3(tmp_path / "done")
+  arguments, message = TRAIN_BAD_INPUTS[case]
+  if "--config" not in arguments and case != "no --config":
+    arguments = ["--config", "tiny_mqar", "--set", "output_dir={tmp}/run", *arguments]
+  check_bad_input(main, arguments + ["--set", "progress_bar=false"], message, capsys,
+                  tmp=tmp_path)
+
+
+EXPORT_BAD_INPUTS = {
+    "missing run_dir": (["--run_dir", "{tmp}/missing", "--out", "{tmp}/out"],
+                        "run_dir {tmp}/missing has no checkpoints/ directory"),
+    "run_dir is a checkpoint": (["--run_dir", "{tmp}/run/checkpoints/3", "--out", "{tmp}/out"],
+                                "has no checkpoints/ directory (expected the output_dir"),
+    "no complete checkpoint": (["--run_dir", "{tmp}/empty_run", "--out", "{tmp}/out"],
+                               "holds no complete checkpoint"),
+    "missing step": (["--run_dir", "{tmp}/run", "--step", "7", "--out", "{tmp}/out"],
+                     "--step 7: {tmp}/run/checkpoints holds no complete checkpoint of that step"
+                     " (steps [3])"),
+    "out exists": (["--run_dir", "{tmp}/run", "--out", "{tmp}/run"],
+                   "--out {tmp}/run already exists"),
+    "out is not an export": (["--run_dir", "{tmp}/run", "--out", "{tmp}/run", "--overwrite"],
+                             "--out {tmp}/run exists and is not a params export"),
+    "bad dtype": (["--run_dir", "{tmp}/run", "--out", "{tmp}/out", "--dtype", "int8"],
+                  "argument --dtype: invalid choice: 'int8'"),
+    "no --out": (["--run_dir", "{tmp}/run"], "the following arguments are required: --out"),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_BAD_INPUTS)
+def test_export_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
+  _checkpoints_of_step_3(tmp_path / "run")
+  (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+  check_bad_input(export.main, *EXPORT_BAD_INPUTS[case], capsys, tmp=tmp_path)
+  assert not (tmp_path / "out").exists()
+
+
+def test_help_names_the_configs_fields_exit_codes_and_an_example(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--help"])
+  assert exit_info.value.code == 0
+  text = " ".join(capsys.readouterr().out.split())
+  for name in shipped_configs():
+    assert name in text
+  assert "--list-fields prints them all" in text and "--set model.NAME=VALUE" in text
+  for code in ("0 done", "2 bad input", "3 too many non-finite steps", "4 no step finished"):
+    assert code in text
+
+
+def test_list_fields_prints_every_field_with_type_default_and_comment(capsys):
+  assert main(["--list-fields"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  for field in dataclasses.fields(TrainConfig):
+    assert any(line.startswith(f"  {field.name}: ") for line in lines), field.name
+  assert "  steps: int = 200" in lines
+  assert "  output_dir: str = ''  # \"\" = runs/<variant>-<size>" in lines
+  assert "# Optimisation (§8.1)." in lines  # the comment heading a group of fields
+  assert "  lte.window: int" in lines and "  gdn.head_dim: int  # d_k" in lines
+  assert not any(line.startswith("  dtype:") for line in lines)  # set through model_dtype
 
 
 def _saved_run(tmp_path, steps=(1, 2)) -> pathlib.Path:
@@ -120,13 +211,13 @@ def test_readme_demo_config_is_small():
 
 
 @pytest.mark.slow
-def test_readme_demo_reaches_high_recall_and_exports(tmp_path):
+def test_readme_demo_reaches_high_recall_and_exports(tmp_path, children):
   """The README's main command (output redirected): trains, prints held-out recall, saves."""
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-  result = subprocess.run(
+  result = children.run(
       [sys.executable, "-m", "lalte_jax.train", "--config", str(CONFIGS / "readme_demo.py"),
        "--set", f"output_dir={tmp_path}", "--set", "progress_bar=false"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False)
+      cwd=REPO, env=env, timeout=1200)
   assert result.returncode == 0, result.stdout + result.stderr
   recall = float(re.search(r"held-out recall accuracy ([0-9.]+)", result.stdout).group(1))
   assert recall >= DEMO_MIN_RECALL, result.stdout

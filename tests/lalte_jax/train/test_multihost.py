@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.child_processes import DISTRIBUTED_ENV
+
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CONFIG = REPO / "lalte_jax" / "configs" / "tiny_mqar.py"
 # float32 so that 1e-6 is meaningful; fsdp=2 shards the parameters across the two processes;
@@ -36,11 +38,12 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-def _launch(run_dir: pathlib.Path, settings: list[str], *, devices: int,
+def _launch(children, run_dir: pathlib.Path, settings: list[str], *, devices: int,
             process_id: int | None = None, port: int | None = None,
             extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
-  """Starts one CLI process with `devices` CPU devices; its output goes to a log in `run_dir`."""
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+  """Starts one CLI process with `devices` CPU devices (one of `children`); its output goes to a
+  log in `run_dir`. Distributed timeouts come from DISTRIBUTED_ENV unless `extra_flags` set them."""
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **DISTRIBUTED_ENV,
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
                        " --xla_cpu_use_xnnpack=false")
   for name in ("LALTE_COORDINATOR_ADDRESS", "LALTE_NUM_PROCESSES", "LALTE_PROCESS_ID"):
@@ -55,15 +58,13 @@ def _launch(run_dir: pathlib.Path, settings: list[str], *, devices: int,
   log = open(run_dir / f"process{0 if process_id is None else process_id}.log", "w",
              encoding="utf-8")
   with log:  # the child holds its own copy of the descriptor
-    return subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return children.start(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait(proc: subprocess.Popen, run_dir: pathlib.Path, timeout: float) -> int:
   try:
     return proc.wait(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.wait()
+  except subprocess.TimeoutExpired:  # the `children` fixture kills it
     pytest.fail(f"process {proc.pid} ran past {timeout} s; logs in {run_dir}")
 
 
@@ -80,14 +81,14 @@ def _records(run_dir: pathlib.Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_losses_of_one(tmp_path):
+def test_two_processes_give_the_losses_of_one(tmp_path, children):
   num_steps = 3
   settings = [f"steps={num_steps}", "grad_accum_steps=2"]
   port = _free_port()
   single_dir, multi_dir = tmp_path / "one_process", tmp_path / "two_processes"
-  procs = [(_launch(single_dir, settings, devices=4), single_dir)]
-  procs += [(_launch(multi_dir, settings, devices=2, process_id=i, port=port), multi_dir)
-            for i in (0, 1)]
+  procs = [(_launch(children, single_dir, settings, devices=4), single_dir)]
+  procs += [(_launch(children, multi_dir, settings, devices=2, process_id=i, port=port),
+             multi_dir) for i in (0, 1)]
   for proc, run_dir in procs:
     assert _wait(proc, run_dir, timeout=600) == 0, _log_tail(run_dir)
 
@@ -104,35 +105,61 @@ def test_two_processes_give_the_losses_of_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker_dies", "coordinator_dies"])
-def test_survivor_exits_when_a_process_dies(tmp_path, victim):
+def test_survivor_exits_when_a_process_dies(tmp_path, victim, children):
   heartbeat_timeout_s, bound_s = 10, 60
   port = _free_port()
   # Any model shows the failure; plain GDN compiles fastest.
-  procs = [_launch(tmp_path, ["variant=gdn", "steps=100000", "grad_accum_steps=1"], devices=2,
-                   process_id=i, port=port,
+  procs = [_launch(children, tmp_path, ["variant=gdn", "steps=100000", "grad_accum_steps=1"],
+                   devices=2, process_id=i, port=port,
                    extra_flags=("--heartbeat_timeout_s", str(heartbeat_timeout_s)))
            for i in (0, 1)]
-  try:
-    deadline = time.monotonic() + 600
-    while len(_records(tmp_path)) < 2:  # both processes are past compilation and stepping
-      assert all(p.poll() is None for p in procs), _log_tail(tmp_path)
-      assert time.monotonic() < deadline, _log_tail(tmp_path)
-      time.sleep(0.5)
-    procs[victim].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    survivor = procs[1 - victim]
-    returncode = _wait(survivor, tmp_path, timeout=bound_s + 60)
-    elapsed_s = time.monotonic() - killed_at
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+  deadline = time.monotonic() + 600
+  while len(_records(tmp_path)) < 2:  # both processes are past compilation and stepping
+    assert all(p.poll() is None for p in procs), _log_tail(tmp_path)
+    assert time.monotonic() < deadline, _log_tail(tmp_path)
+    time.sleep(0.5)
+  procs[victim].send_signal(signal.SIGKILL)
+  killed_at = time.monotonic()
+  survivor = procs[1 - victim]
+  returncode = _wait(survivor, tmp_path, timeout=bound_s + 60)
+  elapsed_s = time.monotonic() - killed_at
   assert returncode != 0, _log_tail(tmp_path)
   assert elapsed_s < bound_s, f"survivor took {elapsed_s:.1f} s\n{_log_tail(tmp_path)}"
   # It stopped because the distributed service saw the peer die, not for some other reason.
   assert "distributed service detected fatal errors" in (
       tmp_path / f"process{1 - victim}.log").read_text(), _log_tail(tmp_path)
+
+
+# One device per process; process 1 reaches the first collective LATE_S after process 0, later
+# than gloo's fixed 30 s rendezvous allows, as a slow compilation on a loaded machine makes it.
+LATE_S = 35
+LATE_PROCESS = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from lalte_jax.train import distributed, sharding
+process_id, port, late_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+distributed.initialize_distributed(f"localhost:{port}", 2, process_id)
+mesh = sharding.make_mesh(2, 1, 1)
+rows = jax.make_array_from_process_local_data(sharding.batch_sharding(mesh),
+                                              np.full((1, 4), process_id + 1, np.float32))
+total = sharding.MeshJit(jnp.sum, mesh, out_shardings=sharding.replicated(mesh))
+if process_id == 1:
+  time.sleep(late_s)
+print("TOTAL", float(sharding.to_host(total(rows))), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_first_step_waits_for_a_process_that_compiles_late(children):
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **DISTRIBUTED_ENV,
+             XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_cpu_use_xnnpack=false")
+  port = _free_port()
+  procs = [children.start([sys.executable, "-c", LATE_PROCESS, str(i), str(port), str(LATE_S)],
+                          env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) for i in (0, 1)]
+  for proc in procs:
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "TOTAL 12.0" in output, output[-3000:]
 
 
 def test_single_process_settings_start_nothing(monkeypatch):

@@ -25,6 +25,7 @@ import pytest
 from lalte_jax.inference import checkpoint as params_checkpoint
 from lalte_jax.train import checkpointing, export
 from tests import damage
+from tests.child_processes import ChildProcesses
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 10
@@ -38,7 +39,8 @@ TIMEOUT_S = 900
 pytestmark = pytest.mark.slow
 
 
-def _launch(run_dir: pathlib.Path, devices: int, mesh: tuple[str, ...]) -> subprocess.Popen:
+def _launch(children: ChildProcesses, run_dir: pathlib.Path, devices: int,
+            mesh: tuple[str, ...]) -> subprocess.Popen:
   run_dir.mkdir(parents=True, exist_ok=True)
   settings = RUN_SETTINGS + mesh + (f"output_dir={run_dir}",)
   # Multi-threaded XLA:CPU (Eigen) is not run-to-run deterministic: two uninterrupted launches
@@ -59,7 +61,7 @@ def _launch(run_dir: pathlib.Path, devices: int, mesh: tuple[str, ...]) -> subpr
   for setting in settings:
     command += ["--set", setting]
   with log:  # the child holds its own copy of the descriptor
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = children.start(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
   process.run_dir = run_dir
   return process
 
@@ -98,7 +100,8 @@ def _metrics(records: list[dict]) -> dict[int, tuple[float, float]]:
 def reference(tmp_path_factory):
   """The uninterrupted 4-device run, started at once (the other runs start while it compiles)."""
   run_dir = tmp_path_factory.mktemp("reference")
-  process = _launch(run_dir, 4, MESH_4)
+  reference_children = ChildProcesses()
+  process = _launch(reference_children, run_dir, 4, MESH_4)
   result = {}
 
   def wait() -> dict:
@@ -109,15 +112,17 @@ def reference(tmp_path_factory):
       assert [r["step"] for r in records] == list(range(1, STEPS + 1))
       result.update(run_dir=run_dir, metrics=_metrics(records), output=text)
     return result
-  yield wait
-  if process.poll() is None:
-    process.kill()
+  try:
+    yield wait
+  finally:
+    reference_children.close()
 
 
-def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, tmp_path):
+def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, tmp_path,
+                                                                      children):
   run_dir = tmp_path / "run"
   # 1. SIGTERM mid-run: the run saves the step it is at and exits 0.
-  process = _launch(run_dir, 4, MESH_4)
+  process = _launch(children, run_dir, 4, MESH_4)
   _wait_for_step(process, run_dir, 2)
   process.send_signal(signal.SIGTERM)
   code, text = _finish(process)
@@ -128,7 +133,7 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
   assert not (run_dir / "export").exists()  # an unfinished run exports nothing
 
   # 2. Relaunch: it continues from that step; SIGKILL it a little later (no chance to save).
-  process = _launch(run_dir, 4, MESH_4)
+  process = _launch(children, run_dir, 4, MESH_4)
   killed_at = _wait_for_step(process, run_dir, stopped_at + 2)
   process.send_signal(signal.SIGKILL)
   process.wait(timeout=TIMEOUT_S)
@@ -137,7 +142,7 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
 
   # 3. Relaunch again: it resumes from the newest complete checkpoint and finishes. The log drops
   # the records of the steps it redoes, so it holds every step once.
-  process = _launch(run_dir, 4, MESH_4)
+  process = _launch(children, run_dir, 4, MESH_4)
   code, text = _finish(process)
   assert code == 0, text
   resumed_from = int(re.findall(r"resumed from \S+/checkpoints/(\d+)", text)[-1])
@@ -151,7 +156,8 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
   assert params_checkpoint.load_model(run_dir / "export").config.name == "lalte-tiny"
 
 
-def test_damaged_checkpoints_are_skipped_and_the_run_resumes_bit_for_bit(reference, tmp_path):
+def test_damaged_checkpoints_are_skipped_and_the_run_resumes_bit_for_bit(reference, tmp_path,
+                                                                          children):
   ref = reference()
   run_dir = tmp_path / "damaged"
   directory = run_dir / "checkpoints"
@@ -160,7 +166,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_resumes_bit_for_bit(referen
   (directory / "8" / "state" / "_METADATA").unlink()
   damage.overwrite_middle(damage.largest_array_file(directory / "6" / "state"))
   (directory / "4" / "data" / "process_0-of-1.json").unlink()
-  code, text = _finish(_launch(run_dir, 4, MESH_4))
+  code, text = _finish(_launch(children, run_dir, 4, MESH_4))
   assert code == 0, text
   assert "Traceback" not in text
   warnings = [line for line in text.splitlines() if line.startswith("warning:")]
@@ -183,7 +189,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_resumes_bit_for_bit(referen
   assert all(checkpoints.problem(step) is None for step in checkpoints.all_steps())
 
 
-def test_resume_on_two_devices_matches_within_1e_5(reference, tmp_path):
+def test_resume_on_two_devices_matches_within_1e_5(reference, tmp_path, children):
   ref = reference()
   saved = sorted(int(p.name) for p in (ref["run_dir"] / "checkpoints").iterdir()
                  if p.name.isdigit())
@@ -193,7 +199,7 @@ def test_resume_on_two_devices_matches_within_1e_5(reference, tmp_path):
   shutil.copytree(ref["run_dir"] / "checkpoints", run_dir / "checkpoints")
   for step in (8, 10):
     shutil.rmtree(run_dir / "checkpoints" / str(step))
-  code, text = _finish(_launch(run_dir, 2, ("mesh_data=1", "mesh_fsdp=2")))
+  code, text = _finish(_launch(children, run_dir, 2, ("mesh_data=1", "mesh_fsdp=2")))
   assert code == 0, text
   assert "2 devices" in text and "resumed from" in text
   records = _records(run_dir)

@@ -2,7 +2,9 @@
 x 2 devices through `jax.distributed` on localhost; the parameter layout rules.
 
 The runs happen in child processes (XLA's device count is fixed when the backend starts, and
-`jax.distributed` can start once per process); each prints its losses as one JSON line.
+`jax.distributed` can start once per process); each prints its losses as one JSON line. The
+multi-process children take their distributed timeouts from `DISTRIBUTED_ENV`
+(tests/child_processes.py), generous enough for a loaded 2-core machine.
 """
 
 import json
@@ -15,6 +17,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.child_processes import DISTRIBUTED_ENV
+
 REPO = pathlib.Path(__file__).resolve().parents[3]
 # The optional tensor axis is covered by the layout test below; a third compiled mesh here would
 # cost a minute of CI time for rules that XLA partitions correctly whatever they say.
@@ -26,8 +30,7 @@ def _child(process_id: int | None, port: int | None) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   from lalte_jax.train import distributed, sharding  # pylint: disable=import-outside-toplevel
   if process_id is not None:
-    distributed.initialize_distributed(f"localhost:{port}", 2, process_id,
-                                       heartbeat_timeout_seconds=30, initialization_timeout=120)
+    distributed.initialize_distributed(f"localhost:{port}", 2, process_id)
   from lalte_jax.train.config import TrainConfig  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
@@ -64,20 +67,16 @@ def _child(process_id: int | None, port: int | None) -> None:
   print("RESULTS " + json.dumps(results), flush=True)
 
 
-def _start(device_count: int, *args) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+def _start(children, device_count: int, *args) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **DISTRIBUTED_ENV,
              XLA_FLAGS=f"--xla_force_host_platform_device_count={device_count}"
                        " --xla_cpu_use_xnnpack=false")
-  return subprocess.Popen([sys.executable, __file__, *map(str, args)], env=env, cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return children.start([sys.executable, __file__, *map(str, args)], env=env, cwd=REPO,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _results(proc: subprocess.Popen) -> dict:
-  try:
-    out, err = proc.communicate(timeout=600)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    raise
+  out, err = proc.communicate(timeout=900)  # on a timeout the `children` fixture kills them all
   assert proc.returncode == 0, err[-4000:]
   line = next(l for l in out.splitlines() if l.startswith("RESULTS "))
   return json.loads(line[len("RESULTS "):])
@@ -90,9 +89,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_sharded_and_multiprocess_steps_equal_single_device():
+def test_sharded_and_multiprocess_steps_equal_single_device(children):
   port = _free_port()
-  procs = [_start(4)] + [_start(2, process_id, port) for process_id in (0, 1)]
+  procs = [_start(children, 4)] + [_start(children, 2, process_id, port)
+                                   for process_id in (0, 1)]
   results, *per_process = [_results(proc) for proc in procs]
   single = results["single"]
   assert single["num_sharded_params"] == 0 and single["step"] == NUM_STEPS

@@ -1,0 +1,64 @@
+"""Child processes of tests: each in its own process group, killed with that group on any exit.
+
+Tests that start trainers, benchmarks or multi-process runs do so through `ChildProcesses` (the
+`children` fixture of tests/conftest.py, or a `with` block): every child starts a new session
+(`start_new_session=True`), so that it and whatever it starts in turn form one process group, and
+leaving the block -- normally, on a failure, on KeyboardInterrupt (SIGINT, and SIGTERM, which
+tests/conftest.py turns into one), on a timeout -- SIGKILLs every group still alive. Only a
+SIGKILL of the test process itself leaves them running.
+
+`DISTRIBUTED_ENV` holds generous `jax.distributed` timeouts for multi-process children: on a loaded
+2-core machine joining and compiling take minutes, and a peer's heartbeats can stall for seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+
+# Seconds: every process joins and compiles each step within LALTE_INIT_TIMEOUT_S of the others
+# (lalte_jax/train/distributed.py); a peer silent for LALTE_HEARTBEAT_TIMEOUT_S counts as dead.
+DISTRIBUTED_ENV = {"LALTE_INIT_TIMEOUT_S": "900", "LALTE_HEARTBEAT_TIMEOUT_S": "120"}
+
+
+def kill_group(process: subprocess.Popen) -> None:
+  """SIGKILLs the process group that `process` leads (it and its descendants) and reaps it."""
+  try:
+    os.killpg(process.pid, signal.SIGKILL)
+  except ProcessLookupError:  # the whole group has exited
+    pass
+  process.wait()
+
+
+class ChildProcesses:
+  """Starts children in their own process groups; `close()` (or leaving `with`) kills them."""
+
+  def __init__(self):
+    self.processes: list[subprocess.Popen] = []
+
+  def start(self, command: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    process = subprocess.Popen(list(command), start_new_session=True, **popen_kwargs)
+    self.processes.append(process)
+    return process
+
+  def run(self, command: Sequence[str], *, timeout: float, **popen_kwargs
+          ) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True, timeout=timeout)`, the child in
+    its own group (a timeout raises `subprocess.TimeoutExpired`; `close()` kills it)."""
+    process = self.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         **popen_kwargs)
+    stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+  def close(self) -> None:
+    for process in self.processes:
+      kill_group(process)  # also when the leader exited: its descendants may still run
+    self.processes.clear()
+
+  def __enter__(self) -> ChildProcesses:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()

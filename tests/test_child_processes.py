@@ -1,0 +1,71 @@
+"""tests/child_processes.py: a test's children and their descendants die with the test, also when
+the test run is interrupted (SIGINT, or SIGTERM as a CI timeout sends it)."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.child_processes import ChildProcesses
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+  """Whether process `pid` has ended (a zombie counts as ended) within `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+      return True
+    if state == "Z":
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def test_leaving_the_block_kills_children_and_their_descendants():
+  with pytest.raises(RuntimeError), ChildProcesses() as children:
+    shell = children.start(["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE,
+                           text=True)
+    grandchild = int(shell.stdout.readline())
+    raise RuntimeError("the test failed")
+  assert _gone(shell.pid) and _gone(grandchild)
+
+
+INTERRUPTED_TEST = '''
+import time
+
+def test_starts_a_child_then_hangs(children):
+  child = children.start(["sleep", "600"])
+  with open({pid_file!r}, "w") as file:
+    file.write(str(child.pid))
+  time.sleep(600)
+'''
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupting_a_test_run_kills_its_children(signum, tmp_path):
+  pid_file = tmp_path / "child.pid"
+  (tmp_path / "test_hangs.py").write_text(INTERRUPTED_TEST.format(pid_file=str(pid_file)))
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  with ChildProcesses() as children:  # the inner pytest itself
+    run = children.start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "-p", "tests.conftest",
+                          str(tmp_path / "test_hangs.py")],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    deadline = time.monotonic() + 120
+    while not pid_file.is_file() or not pid_file.read_text():
+      assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
+      time.sleep(0.1)
+    child = int(pid_file.read_text())
+    assert not _gone(child, timeout=0.2)
+    run.send_signal(signum)
+    output, _ = run.communicate(timeout=60)
+    assert _gone(child), output
