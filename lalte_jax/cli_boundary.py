@@ -23,9 +23,11 @@ from collections.abc import Callable, Sequence
 EXIT_BAD_INPUT = 2
 ENV_TRACEBACK = "LALTE_TRACEBACK"
 # OSError subclasses that always name a path the user gave (missing, a file where a directory is
-# expected, ...); other OSErrors (disk full, I/O errors) are not input mistakes.
+# expected, ...); other OSErrors (disk full, I/O errors) are not input mistakes. ImportError: an
+# optional package that the chosen input needs (tokenizers, sentencepiece, datasets), named with
+# its install command where it is imported.
 BAD_INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
-                    IsADirectoryError, PermissionError)
+                    IsADirectoryError, PermissionError, ImportError)
 
 
 class ArgumentParser(argparse.ArgumentParser):

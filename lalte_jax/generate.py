@@ -217,5 +217,6 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt
 
 
 if __name__ == "__main__":
+  import sys
   from lalte_jax.inference.cli import main
-  main()
+  sys.exit(main())

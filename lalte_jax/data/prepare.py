@@ -39,6 +39,7 @@ import pathlib
 import sys
 from typing import Iterator, Sequence
 
+from lalte_jax import cli_boundary
 from lalte_jax.data import heldout
 from lalte_jax.data.pretokenized import SequencePacker, ShardWriter, write_metadata
 from lalte_jax.data.tokenizer import (HF_TOKENIZER_CONFIG_FILE, HF_TOKENIZER_FILE, HFTokenizer,
@@ -132,7 +133,10 @@ def _batched(items: Iterator, size: int) -> Iterator[list]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="lalte-prepare-data", description=__doc__.split("\n\n", 1)[0])
+  parser = cli_boundary.ArgumentParser(
+      prog="lalte-prepare-data", description=__doc__.split("\n\n", 1)[0],
+      example="python -m lalte_jax.data.prepare --input docs --text-suffix .md --output-dir runs/text_data"
+              " --seq-len 256 --train-tokenizer 2048 --val-fraction 0.1")
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--input", nargs="+", help="text/.jsonl/.parquet files or directories")
   source.add_argument("--hf-dataset", help="a Hugging Face dataset name, streamed (online only)")
@@ -327,13 +331,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
   return metadata
 
 
+@cli_boundary.reports_bad_input
 def main(argv: Sequence[str] | None = None) -> int:
   """`lalte-prepare-data` / `python -m lalte_jax.data.prepare`; exit status 2 for bad inputs."""
-  try:
-    run(argv)
-  except (ValueError, OSError, ImportError) as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
+  run(argv)
   return 0
 
 

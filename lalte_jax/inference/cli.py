@@ -18,12 +18,16 @@ import sys
 
 import jax
 
+from lalte_jax import cli_boundary
 from lalte_jax.data import tokenizer as tokenizers
 from lalte_jax.inference import checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m lalte_jax.generate", description=__doc__)
+  parser = cli_boundary.ArgumentParser(
+      prog="python -m lalte_jax.generate", description=__doc__.splitlines()[0],
+      example="python -m lalte_jax.generate --checkpoint runs/readme_demo/export --prompt-ids"
+              " 1,5,9 --print-ids --max-new-tokens 8")
   parser.add_argument("--checkpoint", required=True, help="params-only checkpoint directory")
   parser.add_argument("--tokenizer", help="HF tokenizers JSON file or directory, or a"
                       " SentencePiece .model file (default: the checkpoint's tokenizer.json,"
@@ -91,11 +95,8 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
   return ids
 
 
-def main(argv: list[str] | None = None) -> None:
-  try:
-    completions = run(argv)
-  except ValueError as error:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2) from None
-  for text in completions:
+@cli_boundary.reports_bad_input
+def main(argv: list[str] | None = None) -> int:
+  for text in run(argv):
     print(text)
+  return 0

@@ -68,7 +68,8 @@ def test_python_m_exits_2_with_one_line(module, argv, message, children):
 
 
 @pytest.mark.parametrize("module", ["lalte_jax.train.cli", "lalte_jax.train.export",
-                                    "lalte_jax.eval.cli", "lalte_jax.convert.cli"])
+                                    "lalte_jax.eval.cli", "lalte_jax.convert.cli",
+                                    "lalte_jax.inference.cli", "lalte_jax.data.prepare"])
 def test_help_ends_with_exit_codes_and_one_example(module, capsys):
   main = importlib.import_module(module).main
   with pytest.raises(SystemExit) as exit_info:
