@@ -8,6 +8,11 @@ path, for debugging and for the test that both agree).
 
 Outputs: float32 logits [B, T, V]; with `return_aux=True` also `ModelAux`, which carries each LTE
 layer's router scores and retention counts for the sparsity loss and controller (§4.4-4.5).
+
+Inference runs the same blocks with caches: `Block.step` calls the mixer's `prefill` or `decode`
+method (each mixer owns both, next to its training forward) inside the block's own norms, MLP and
+residuals, and `HybridLM.logits_from_hidden` is the head of both modes
+(`lalte_jax/inference/stack.py` threads the caches through the scanned groups).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.inference.caches import StepContext
 from lalte_jax.layers import initializers
 from lalte_jax.layers.mlp import SwiGLU
 from lalte_jax.layers.norms import RMSNorm
@@ -53,17 +59,26 @@ class Block(nnx.Module):
                       rescale_num_layers=config.num_layers if config.rescale_prenorm_residual
                       else None, dtype=config.compute_dtype, rngs=rngs)
 
+  def _residual(self, h_BTD: jax.Array, mix) -> tuple[jax.Array, object]:
+    """h + mixed, then + SwiGLU(RMSNorm(.)), where `mix(RMSNorm(h))` returns (mixed, extra);
+    returns the new h and extra."""
+    mixed_BTD, extra = mix(self.mixer_norm(h_BTD))
+    h_BTD = h_BTD + mixed_BTD
+    h_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
+    return h_BTD, extra
+
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None
                ) -> tuple[jax.Array, jax.Array | None]:
     """Returns the new residual stream and, for LTE blocks, the router scores [B, T, Hkv]."""
-    mixer_in = self.mixer_norm(h_BTD)
     if self.mixer_kind == "lte":
-      mixed, score_BTK = self.mixer(mixer_in, dropout_key=dropout_key)
-    else:
-      mixed, score_BTK = self.mixer(mixer_in), None
-    h_BTD = h_BTD + mixed
-    h_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
-    return h_BTD, score_BTK
+      return self._residual(h_BTD, lambda x: self.mixer(x, dropout_key=dropout_key))
+    return self._residual(h_BTD, lambda x: (self.mixer(x), None))
+
+  def step(self, h_BTD: jax.Array, cache, ctx: StepContext, mode: str):
+    """The block on the tokens of one inference call, with the mixer's cache: `mode` "prefill"
+    (a left-padded prompt, empty cache) or "decode" (one token per row). Returns (h, cache)."""
+    mixer_step = {"prefill": self.mixer.prefill, "decode": self.mixer.decode}[mode]
+    return self._residual(h_BTD, lambda x: mixer_step(x, cache, ctx))
 
 
 class LayerGroup(nnx.Module):
@@ -159,6 +174,13 @@ class HybridLM(nnx.Module):
       scores = scores.reshape(-1, *scores.shape[2:])
     return h_BTD, scores
 
+  def logits_from_hidden(self, h_BTD: jax.Array) -> jax.Array:
+    """Final norm and LM head (the embedding's transpose when tied): logits [B, T, V] float32."""
+    h_BTD = self.final_norm(h_BTD)
+    head_DV = self.embed.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
+    return jnp.einsum("btd,dv->btv", h_BTD, head_DV.astype(h_BTD.dtype),
+                      preferred_element_type=jnp.float32)
+
   def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None,
                return_aux: bool = False):
     """Logits [B, T, V] float32 (and `ModelAux` if `return_aux`).
@@ -170,10 +192,7 @@ class HybridLM(nnx.Module):
     validate_tokens(tokens_BT, config.vocab_size)
     h_BTD = self.embed(tokens_BT)
     h_BTD, lte_scores = self._run_groups(h_BTD, dropout_key)
-    h_BTD = self.final_norm(h_BTD)
-    head_DV = self.embed.embedding[...].T if config.tie_embeddings else self.lm_head[...]
-    logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, head_DV.astype(h_BTD.dtype),
-                            preferred_element_type=jnp.float32)
+    logits_BTV = self.logits_from_hidden(h_BTD)
     if not return_aux:
       return logits_BTV
     retained = None

@@ -8,7 +8,7 @@ against the copy bandwidth of this GPU, measured here with a jitted `x + 1` over
 (bytes read + written). For each preset, one query per (row, query head) attends over the LTE
 cache: W = w + 1 ring slots + b compacted slots, all valid (full ring, full OOW set: the most
 bytes), bf16, through `decode_attention` with the ring-blank mask and per-(row, head) lengths that
-`lte_decode_step` passes. GB/s = bytes of K + V + q + o / time; the ratio is to the copy GB/s.
+`LTEAttention.decode` passes. GB/s = bytes of K + V + q + o / time; the ratio is to the copy GB/s.
 
 Timing: `--sets` independent caches (more bytes than L2 holds, so every call reads HBM) are
 attended one after another inside one jitted function; time per call = median over `--repeats`

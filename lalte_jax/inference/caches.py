@@ -14,10 +14,14 @@ leading `[G]` axis because the model scans over stacked groups):
 - Full attention: keys and values preallocated to `max_length` padded indices (slot = padded index).
   Grows with nothing but must be sized for the prompt plus the generated tokens. A model whose
   full-attention layers use an eviction policy (`eviction.py`) keeps a constant-size cache instead.
-- NSA: keys and values preallocated to `max_length` real positions: each row's tokens start at slot
-  0 (pads removed) so that NSA's 64-token blocks start at the row's first real token, as the
-  reference's unpadding to varlen does (§6).
+- NSA: keys and values preallocated to `max_length` real positions (rounded up to whole blocks):
+  each row's tokens start at slot 0 (pads removed) so that NSA's 64-token blocks start at the row's
+  first real token, as the reference's unpadding to varlen does (§6); plus the mean of every
+  complete block (`pallas_kernels.nsa`'s compressed cache).
 - LTE: `lte_cache.LTECache` (ring of W = w+1 plus the capped out-of-window segment), constant size.
+
+Each mixer reads and writes its own cache in its `prefill` / `decode` methods
+(`lalte_jax/mixers/`), given a `StepContext`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import ModelConfig
+from pallas_kernels import nsa as nsa_ops
 
 
 @flax.struct.dataclass
@@ -50,9 +55,12 @@ class KVCache:
 
 @flax.struct.dataclass
 class NSACache:
-  """Post-RoPE keys and values of an NSA layer; slot = the row's real position."""
+  """Post-RoPE keys and values of an NSA layer, slot = the row's real position, and the means of
+  their complete blocks (block n at index n; zeros until the block is complete)."""
   k_BSKD: jax.Array
   v_BSKD: jax.Array
+  k_cmp_BNKD: jax.Array
+  v_cmp_BNKD: jax.Array
 
 
 @flax.struct.dataclass
@@ -70,6 +78,40 @@ class ModelCache:
   pad_count_B: jax.Array
   position: jax.Array
   max_length: int | None = flax.struct.field(pytree_node=False, default=None)
+
+
+@flax.struct.dataclass
+class StepContext:
+  """What a mixer's prefill / decode step reads besides its input and its cache."""
+  valid_BT: jax.Array  # bool: real token (False = left pad)
+  pad_count_B: jax.Array  # [B] int32 left pads of each row
+  position: jax.Array  # [] int32 padded index of this call's first token
+
+  @classmethod
+  def for_prompt(cls, valid_BT: jax.Array) -> StepContext:
+    """A left-padded prompt from the start of the sequence."""
+    pad_count_B = (valid_BT.shape[1] - jnp.sum(valid_BT, axis=1)).astype(jnp.int32)
+    return cls(valid_BT=valid_BT, pad_count_B=pad_count_B, position=jnp.zeros((), jnp.int32))
+
+  @classmethod
+  def for_token(cls, cache: ModelCache) -> StepContext:
+    """One new (real) token per row after the tokens `cache` holds."""
+    batch = cache.pad_count_B.shape[0]
+    return cls(valid_BT=jnp.ones((batch, 1), bool), pad_count_B=cache.pad_count_B,
+               position=cache.position)
+
+  @property
+  def real_positions_BT(self) -> jax.Array:
+    """RoPE positions of full/SWA/NSA layers: the first real token of a row is 0 (§3.1).
+    Pads get negative positions; they are never visible."""
+    length = self.valid_BT.shape[1]
+    return self.position + jnp.arange(length, dtype=jnp.int32)[None] - self.pad_count_B[:, None]
+
+
+def write_prompt(buffer_BSKD: jax.Array, x_BTKD: jax.Array) -> jax.Array:
+  """The prompt's keys or values into the first T slots of a preallocated cache buffer."""
+  return jax.lax.dynamic_update_slice_in_dim(buffer_BSKD, x_BTKD.astype(buffer_BSKD.dtype), 0,
+                                             axis=1)
 
 
 def needs_max_length(config: ModelConfig, eviction) -> list[str]:
@@ -114,7 +156,10 @@ def _layer_cache(kind: str, config: ModelConfig, batch: int, max_length: int | N
     return KVCache(*_kv(batch, max_length, attn.num_kv_heads, attn.head_dim, dtype))
   if kind == "nsa":
     nsa = config.nsa
-    return NSACache(*_kv(batch, max_length, nsa.num_kv_heads, nsa.head_dim, dtype))
+    slots = nsa_ops.cache_length(max_length, nsa.block_size)
+    blocks = nsa_ops.compressed_blocks(max_length, nsa.block_size)
+    return NSACache(*_kv(batch, slots, nsa.num_kv_heads, nsa.head_dim, dtype),
+                    *_kv(batch, blocks, nsa.num_kv_heads, nsa.head_dim, dtype))
   if kind == "lte":
     from lalte_jax.inference import lte_cache  # written separately; imported only when used
     return lte_cache.init_lte_cache(config.lte, batch, dtype)

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import AttentionConfig
-from pallas_kernels.masked_attention.reference import HIGHEST, masked_softmax
+from pallas_kernels.decode_attention import decode_attention, decode_attention_weights
+from pallas_kernels.dispatch import Implementation
 
 POLICIES = ("tova", "uniform")
 
@@ -85,22 +86,10 @@ def init_eviction_cache(eviction: EvictionConfig, attn: AttentionConfig, batch: 
                        recent=eviction.recent_size if eviction.policy == "uniform" else 0)
 
 
-def attention_and_weights(q_BTHD, k_BSKD, v_BSKD, valid_BS):
-  """Attention of the given queries over the valid keys (non-causal) with GQA.
-
-  Returns (out [B,T,Hq,D] in q's dtype, head-averaged weights [B,T,S] float32).
-  """
-  batch, length, num_heads, head_dim = q_BTHD.shape
-  num_kv_heads = k_BSKD.shape[2]
-  q_BTKGD = q_BTHD.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  scores_BKGTS = head_dim ** -0.5 * jnp.einsum(
-      "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, precision=HIGHEST,
-      preferred_element_type=jnp.float32)
-  probs_BKGTS = masked_softmax(scores_BKGTS, valid_BS[:, None, None, None, :])
-  out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD.astype(jnp.float32),
-                         precision=HIGHEST)
-  out_BTHD = out_BTKGD.reshape(batch, length, num_heads, -1).astype(q_BTHD.dtype)
-  return out_BTHD, jnp.mean(probs_BKGTS, axis=(1, 2))
+def _head_mean_weights(q_BHD, k_BSKD, valid_BS) -> jax.Array:
+  """[B, S] float32: the query's attention weights over the valid slots, averaged over its heads.
+  (One version, XLA, on every backend.)"""
+  return jnp.mean(decode_attention_weights(q_BHD, k_BSKD, key_valid=valid_BS), axis=1)
 
 
 def _next_power_of_two(x_B: jax.Array) -> jax.Array:
@@ -121,14 +110,15 @@ def _gather_rows(x_BT_: jax.Array, index_BS: jax.Array) -> jax.Array:
 
 def eviction_prefill(cache: EvictionCache, q_BTHD, k_BTKD, v_BTKD, valid_BT, pad_count_B
                      ) -> EvictionCache:
-  """The cache at the end of a left-padded prompt (post-RoPE q/k, real positions = index - pad)."""
+  """The cache at the end of a left-padded prompt (post-RoPE q/k, real positions = index - pad).
+  The prompt's own attention is the layer's (exact full attention)."""
   batch, length = valid_BT.shape
   slots = cache.pos_BS.shape[1]
   real_len_B = length - pad_count_B
   if cache.policy == "tova":
-    _, weights_B1S = attention_and_weights(q_BTHD[:, -1:], k_BTKD, v_BTKD, valid_BT)
+    weights_BS = _head_mean_weights(q_BTHD[:, -1], k_BTKD, valid_BT)
     keep = min(slots - 1, length)
-    score_BS = jnp.where(valid_BT, weights_B1S[:, 0], -jnp.inf)
+    score_BS = jnp.where(valid_BT, weights_BS, -jnp.inf)
     top_BC, index_BC = jax.lax.top_k(score_BS, keep)
     pos_BC = jnp.where(jnp.isfinite(top_BC), index_BC - pad_count_B[:, None], -1)
   else:
@@ -183,9 +173,10 @@ def _uniform_admit(cache: EvictionCache, pos_B) -> EvictionCache:
       stride_B=stride_B)
 
 
-def eviction_decode(cache: EvictionCache, q_B1HD, k_B1KD, v_B1KD, pos_B
-                    ) -> tuple[jax.Array, EvictionCache]:
-  """Attention of the new token (real position pos_B, post-RoPE q/k) and the updated cache."""
+def eviction_decode(cache: EvictionCache, q_B1HD, k_B1KD, v_B1KD, pos_B, *,
+                    implementation: Implementation = None) -> tuple[jax.Array, EvictionCache]:
+  """Attention of the new token (real position pos_B, post-RoPE q/k) and the updated cache.
+  `implementation` chooses the attention's version (`pallas_kernels.decode_attention`)."""
   if cache.policy == "tova":
     free_B = jnp.argmax(cache.pos_BS < 0, axis=1)  # at most cache_size kept: one slot is free
     cache = _write(cache, free_B, k_B1KD, v_B1KD, pos_B)
@@ -193,12 +184,14 @@ def eviction_decode(cache: EvictionCache, q_B1HD, k_B1KD, v_B1KD, pos_B
     cache = _uniform_admit(cache, pos_B)
     cache = _write(cache, pos_B % cache.recent, k_B1KD, v_B1KD, pos_B)
   valid_BS = cache.pos_BS >= 0
-  o_B1HD, weights_B1S = attention_and_weights(q_B1HD, cache.k_BSKD, cache.v_BSKD, valid_BS)
+  o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD, cache.v_BSKD, key_valid=valid_BS,
+                           implementation=implementation)
   if cache.policy == "tova":
+    weights_BS = _head_mean_weights(q_B1HD[:, 0], cache.k_BSKD, valid_BS)
     full_B = jnp.all(valid_BS, axis=1)
-    evict_B = jnp.argmin(jnp.where(valid_BS, weights_B1S[:, 0], jnp.inf), axis=1)
+    evict_B = jnp.argmin(jnp.where(valid_BS, weights_BS, jnp.inf), axis=1)
     rows = jnp.arange(pos_B.shape[0])
     pos_BS = cache.pos_BS.at[rows, evict_B].set(
         jnp.where(full_B, -1, cache.pos_BS[rows, evict_B]))
     cache = cache.replace(pos_BS=pos_BS)
-  return o_B1HD, cache
+  return o_BHD[:, None], cache

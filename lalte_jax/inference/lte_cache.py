@@ -39,8 +39,10 @@ reproduces the training-time layer for every prompt length:
    and +inf in the ring always means "sink".
 
 Shapes: B batch, T tokens, Hq query heads, K (= Hkv) KV heads, D head dim, S = W + b cache slots,
-W ring slots. Everything is jittable with static shapes; the functions read the `LTEAttention`
-module's `proj`, `router` and `config` and do not modify it.
+W ring slots. Everything is jittable with static shapes. This module holds the cache and its
+operations on arrays; the layer's prefill and decode step, which project, score and attend, are
+`LTEAttention.prefill` / `.decode` (`lalte_jax/mixers/lte.py`). Rescoring runs the layer's router,
+which it is given.
 """
 
 from __future__ import annotations
@@ -50,11 +52,8 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import LTEConfig
-from lalte_jax.layers.rope import apply_rope, default_positions, derope
-from lalte_jax.mixers.lte import LTEAttention
-from pallas_kernels.decode_attention import decode_attention
+from lalte_jax.layers.rope import derope
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
-from pallas_kernels.masked_attention import masked_attention
 
 # Score given to a freshly decoded (non-sink) token until the next lazy rescoring: "not kept". It
 # is never read as a decision (§5.4 exactness: the slot is rescored before it leaves the window).
@@ -81,7 +80,7 @@ def init_lte_cache(lte: LTEConfig, batch: int, dtype) -> LTECache:
   """
   if lte.num_sinks > lte.window_keys:
     # Decode-time sink detection counts real tokens through the ring's blanks (see
-    # `_evict_and_insert`).
+    # `insert_token`).
     raise ValueError(f"lte.num_sinks: {lte.num_sinks} sinks exceed the window of"
                      f" {lte.window_keys} keys; the decode cache cannot track them")
   slots = lte.window_keys + lte.cap
@@ -97,7 +96,7 @@ def init_lte_cache(lte: LTEConfig, batch: int, dtype) -> LTECache:
   )
 
 
-def _mark_sinks_and_padding(score_BTK: jax.Array, real_BT: jax.Array, num_sinks: int) -> jax.Array:
+def mark_sinks_and_padding(score_BTK: jax.Array, real_BT: jax.Array, num_sinks: int) -> jax.Array:
   """Scores with -inf at padding and +inf at the first `num_sinks` real tokens of each row."""
   real_index_BT = jnp.cumsum(real_BT.astype(jnp.int32), axis=1) - 1
   sink_BT = real_BT & (real_index_BT < num_sinks)
@@ -105,36 +104,24 @@ def _mark_sinks_and_padding(score_BTK: jax.Array, real_BT: jax.Array, num_sinks:
   return jnp.where(real_BT[:, :, None], score_BTK, -jnp.inf)
 
 
-def lte_prefill(layer: LTEAttention, x_BTD: jax.Array, pad_mask_BT: jax.Array | None,
-                cache: LTECache) -> tuple[jax.Array, LTECache]:
-  """Runs the LTE layer over a (left-padded) prompt and fills the cache (§5.2).
+def fill_from_prompt(cache: LTECache, lte: LTEConfig, k_BTKD: jax.Array, v_BTKD: jax.Array,
+                     score_BTK: jax.Array, real_BT: jax.Array) -> tuple[LTECache, jax.Array]:
+  """The cache at the end of a left-padded prompt (§5.2 steps 4-5), and which prompt tokens its
+  out-of-window set keeps.
 
   Args:
-    layer: the LTE mixer whose projections and router are used.
-    x_BTD: [B, L, hidden] normed layer input, L >= 1.
-    pad_mask_BT: bool [B, L], True = real token; padding must be on the left. None: no padding.
-    cache: gives the cache shapes and dtype; its contents are ignored (a prompt starts a sequence).
+    cache: gives the shapes and dtypes; its contents are ignored (a prompt starts a sequence).
+    k_BTKD, v_BTKD: [B, L, K, D] the prompt's keys (after RoPE at padded indices) and values, in
+      the cache's dtype.
+    score_BTK: [B, L, K] float32 router scores marked by `mark_sinks_and_padding`.
+    real_BT: bool [B, L], True = real token, padding on the left.
 
   Returns:
-    out_BTD [B, L, hidden] (zero at padded rows) and the filled cache with position = L.
-    Each prompt query attends to its window (w + 1 keys, padding excluded) plus the kept OOW set
-    *at the end of the prompt* restricted to keys at least W older (§5.2 step 6, G24); below the
-    cap this equals the training-time layer.
+    the cache with position = L, and kept_BTK bool [B, L, K]: the tokens older than the window
+    that the out-of-window set holds (what each prompt query may see beyond its window, G24).
   """
-  lte = layer.config
   window_keys, cap = lte.window_keys, lte.cap
-  batch, length = x_BTD.shape[:2]
-  real_BT = (jnp.ones((batch, length), bool) if pad_mask_BT is None
-             else pad_mask_BT.astype(bool))
-
-  q_BTHD, k_pre_BTKD, v_BTKD = layer.proj.qkv(x_BTD)
-  score_BTK = layer.router(k_pre_BTKD, v_BTKD, mask_BT=pad_mask_BT)
-  score_BTK = _mark_sinks_and_padding(score_BTK, real_BT, lte.num_sinks)
-  positions_BT = default_positions(batch, length)  # padded-tensor indices (G25)
-  q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
-  k_BTKD = apply_rope(k_pre_BTKD, positions_BT, lte.rope_theta)
-  cache_dtype = cache.k.dtype
-  k_BTKD, v_BTKD = k_BTKD.astype(cache_dtype), v_BTKD.astype(cache_dtype)
+  batch, length = real_BT.shape
 
   # Ring: the c most recent tokens at slots [W - c, W), chronological, so ptr = 0 is the oldest
   # and the never-filled slots [0, W - c) are the blanks that precede the prompt's own padding.
@@ -149,22 +136,14 @@ def lte_prefill(layer: LTEAttention, x_BTD: jax.Array, pad_mask_BT: jax.Array | 
   if num_candidates > 0:
     # §5.2 step 5: the top-min(b, n) of the first n tokens by score, kept if score > 0.
     oow_k, oow_v, oow_score, past_len_BK, kept_BTK = compact_top_scores(
-        k_BTKD, v_BTKD, score_BTK, num_candidates=num_candidates, cap=cap)
+        k_BTKD, v_BTKD, score_BTK, num_candidates=num_candidates, cap=cap,
+        implementation=lte.implementation)
   else:  # the whole prompt fits the window: nothing is out of it yet
-    oow_k = jnp.zeros((batch, cap) + k_BTKD.shape[2:], cache_dtype)
-    oow_v = jnp.zeros((batch, cap) + v_BTKD.shape[2:], cache_dtype)
+    oow_k = jnp.zeros((batch, cap) + k_BTKD.shape[2:], cache.k.dtype)
+    oow_v = jnp.zeros((batch, cap) + v_BTKD.shape[2:], cache.v.dtype)
     oow_score = jnp.full((batch, cap, lte.num_kv_heads), -jnp.inf, jnp.float32)
     past_len_BK = jnp.zeros((batch, lte.num_kv_heads), jnp.int32)
     kept_BTK = jnp.zeros((batch, length, lte.num_kv_heads), bool)
-
-  # Kept keys inside a query's window are visible anyway, so "kept, or within the window" is the
-  # spec's "window plus kept keys with j <= t - W". Sinks are kept by their +inf score, so the
-  # attention op's position-based sinks are off (with padding they are not at positions 0..s-1).
-  o_BTHD = masked_attention(
-      q_BTHD, k_BTKD, v_BTKD, window_size=window_keys, num_sinks=0, kept_BSK=kept_BTK,
-      key_valid_BS=None if pad_mask_BT is None else real_BT, implementation=lte.implementation)
-  out_BTD = layer.proj.output(o_BTHD.astype(q_BTHD.dtype))
-  out_BTD = jnp.where(real_BT[:, :, None], out_BTD, jnp.zeros_like(out_BTD))
 
   new_cache = LTECache(
       k=jnp.concatenate([ring_k, oow_k], axis=1),
@@ -175,12 +154,11 @@ def lte_prefill(layer: LTEAttention, x_BTD: jax.Array, pad_mask_BT: jax.Array | 
       ptr=jnp.zeros((), jnp.int32),
       position=jnp.asarray(length, jnp.int32),
   )
-  return out_BTD, new_cache
+  return new_cache, kept_BTK
 
 
-def _rescore_ring(layer: LTEAttention, cache: LTECache) -> LTECache:
+def _rescore_ring(cache: LTECache, lte: LTEConfig, router) -> LTECache:
   """§5.4: rotate the ring to chronological order and rescore slots [margin, W)."""
-  lte = layer.config
   window_keys, margin = lte.window_keys, lte.router_margin
   batch = cache.k.shape[0]
 
@@ -198,7 +176,7 @@ def _rescore_ring(layer: LTEAttention, cache: LTECache) -> LTECache:
   positions_BW = jnp.broadcast_to(cache.position - window_keys + slot_W, (batch, window_keys))
   k_pre_BWKD = derope(ring_k_BWKD, positions_BW, lte.rope_theta)
   real_BW = slot_W[None, :] >= cache.blank[:, None]
-  fresh_BWK = layer.router(k_pre_BWKD, ring_v_BWKD, mask_BT=real_BW)
+  fresh_BWK = router(k_pre_BWKD, ring_v_BWKD, mask_BT=real_BW)
   fresh_BWK = jnp.where(real_BW[:, :, None], fresh_BWK, -jnp.inf)
   # Slots [0, margin) lost their left context to eviction: they keep the score they got at an
   # earlier rescoring (with full context). Sinks keep +inf (G14 fix).
@@ -209,23 +187,24 @@ def _rescore_ring(layer: LTEAttention, cache: LTECache) -> LTECache:
   return cache.replace(k=k, v=v, score=score, ptr=jnp.zeros((), jnp.int32))
 
 
-def lte_rescore_if_due(layer: LTEAttention, cache: LTECache) -> LTECache:
-  """Lazy rescoring (§5.4) when `ptr == W - 2 * margin`, else the cache unchanged.
+def rescore_if_due(cache: LTECache, lte: LTEConfig, router) -> LTECache:
+  """Lazy rescoring (§5.4) by `router` (the layer's `LTERouter`) when `ptr == W - 2 * margin`,
+  else the cache unchanged.
 
-  `lte_decode_step` calls it first; it is idempotent (after a rescoring ptr is 0 != W - 2 margin),
-  so a caller may apply it beforehand to read the score of the token about to leave the window,
-  `cache.score[:, cache.ptr]`, which is then final. No-op for a context-free router (margin 0).
+  `LTEAttention.decode` calls it first; it is idempotent (after a rescoring ptr is 0 != W - 2
+  margin), so a caller may apply it beforehand to read the score of the token about to leave the
+  window, `cache.score[:, cache.ptr]`, which is then final. No-op for a context-free router
+  (margin 0).
   """
-  lte = layer.config
   margin = lte.router_margin
   if margin == 0:
     return cache
   due = cache.ptr == lte.window_keys - 2 * margin
-  return jax.lax.cond(due, lambda c: _rescore_ring(layer, c), lambda c: c, cache)
+  return jax.lax.cond(due, lambda c: _rescore_ring(c, lte, router), lambda c: c, cache)
 
 
-def _evict_and_insert(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,
-                      score_B1K: jax.Array) -> LTECache:
+def insert_token(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,
+                 score_B1K: jax.Array) -> LTECache:
   """§5.3 step 3: move the ring's oldest token (slot ptr) into the OOW set if it qualifies, write
   the new token into slot ptr and advance.
 
@@ -250,47 +229,10 @@ def _evict_and_insert(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD
       position=cache.position + 1)
 
 
-def _ring_valid_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
+def visible_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
   """bool [B, W + b]: ring slots except the blanks [ptr, ptr + blank) (mod W); OOW slots True."""
   window_keys = lte.window_keys
   slot_S = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
   # Distance from ptr around the ring: the blanks are the first `blank` slots from ptr.
   from_ptr_S = jnp.mod(slot_S - cache.ptr, window_keys)
   return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= cache.blank[:, None])
-
-
-def lte_decode_step(layer: LTEAttention, x_B1D: jax.Array, cache: LTECache
-                    ) -> tuple[jax.Array, LTECache]:
-  """One decode step of the LTE layer at position t = cache.position (§5.3).
-
-  Args:
-    layer: the LTE mixer.
-    x_B1D: [B, 1, hidden] normed layer input of the new token (always a real token).
-    cache: the layer's cache (from `lte_prefill`, or `init_lte_cache` to decode from scratch).
-
-  Returns:
-    out_B1D [B, 1, hidden] and the updated cache (same shapes and dtypes).
-  """
-  lte = layer.config
-  batch = x_B1D.shape[0]
-  q_B1HD, k_pre_B1KD, v_B1KD = layer.proj.qkv(x_B1D)
-  positions_B1 = jnp.broadcast_to(cache.position, (batch, 1))
-  q_B1HD = apply_rope(q_B1HD, positions_B1, lte.rope_theta)
-  k_B1KD = apply_rope(k_pre_B1KD, positions_B1, lte.rope_theta)
-
-  cache = lte_rescore_if_due(layer, cache)
-  if lte.router_margin == 0:
-    # A context-free router's score is final at once; no lazy trigger would ever fire (§7.3).
-    new_score_B1K = layer.router(k_pre_B1KD, v_B1KD)
-  else:
-    new_score_B1K = jnp.full((batch, 1, lte.num_kv_heads), PROVISIONAL_SCORE, jnp.float32)
-  cache = _evict_and_insert(cache, lte, k_B1KD, v_B1KD, new_score_B1K)
-
-  # The new token is in the ring now, so the window is keys t-w..t; everything cached is in the
-  # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below
-  # W + past_len (split so the kernel skips unfilled OOW slots).
-  o_BHD = decode_attention(
-      q_B1HD[:, 0], cache.k, cache.v, scale=lte.head_dim ** -0.5,
-      length_BK=lte.window_keys + cache.past_len, key_valid=_ring_valid_slots(cache, lte),
-      implementation=lte.implementation)
-  return layer.proj.output(o_BHD[:, None].astype(q_B1HD.dtype)), cache

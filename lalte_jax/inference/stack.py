@@ -1,10 +1,7 @@
 """Prefill and decode through the whole HybridLM: embed, a `lax.scan` over the stacked layer groups
-carrying the residual stream and the stacked caches, mapping (group parameters, group caches) ->
-new group caches, final norm and head. Traceable functions; `lalte_jax.generate` jits them.
-
-Reads HybridLM's attributes (`embed`, `groups`, `final_norm`, `lm_head`) and runs each Block's
-pieces (`mixer_norm`, `mixer`, `mlp_norm`, `mlp`) around the cached mixer steps, the same
-arithmetic as `Block.__call__`.
+carrying the residual stream and the stacked caches, where each `Block.step` runs its mixer's
+`prefill` or `decode` on its cache, then `HybridLM.logits_from_hidden`. Traceable functions;
+`lalte_jax.generate` jits them.
 """
 
 from __future__ import annotations
@@ -13,11 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lalte_jax.inference.caches import ModelCache
-from lalte_jax.inference.layer_steps import DECODE_STEPS, PREFILL_STEPS, StepContext
+from lalte_jax.inference.caches import ModelCache, StepContext
 
 
-def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, steps: dict
+def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: str
                 ) -> tuple[jax.Array, tuple]:
   graphdef, stacked_state = nnx.split(model.groups)
 
@@ -34,9 +30,7 @@ def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, steps:
     for block, stacked in zip(group.blocks, stacked_caches):
       cache = jax.tree.map(
           lambda x: jax.lax.dynamic_index_in_dim(x, group_index, keepdims=False), stacked)
-      mixed_BTD, cache = steps[block.mixer_kind](block.mixer, block.mixer_norm(h_BTD), cache, ctx)
-      h_BTD = h_BTD + mixed_BTD.astype(h_BTD.dtype)
-      h_BTD = h_BTD + block.mlp(block.mlp_norm(h_BTD))
+      h_BTD, cache = block.step(h_BTD, cache, ctx, mode)
       new_caches.append(jax.tree.map(
           lambda x, new: jax.lax.dynamic_update_index_in_dim(x, new.astype(x.dtype), group_index,
                                                              0), stacked, cache))
@@ -48,14 +42,6 @@ def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, steps:
   return h_BTD, caches
 
 
-def logits_from_hidden(model, h_BTD: jax.Array) -> jax.Array:
-  """Final norm and LM head (tied or not), logits float32 [B, T, V]."""
-  h_BTD = model.final_norm(h_BTD)
-  head_DV = model.embed.embedding[...].T if model.config.tie_embeddings else model.lm_head[...]
-  return jnp.einsum("btd,dv->btv", h_BTD, head_DV.astype(h_BTD.dtype),
-                    preferred_element_type=jnp.float32)
-
-
 def prefill_impl(model, tokens_BT: jax.Array, valid_BT: jax.Array, cache: ModelCache,
                  all_logits: bool) -> tuple[jax.Array, ModelCache]:
   """Runs a left-padded prompt from an empty cache.
@@ -63,24 +49,19 @@ def prefill_impl(model, tokens_BT: jax.Array, valid_BT: jax.Array, cache: ModelC
   Returns the logits of the last position [B, V] (or of every position [B, T, V] when
   `all_logits`) and the filled cache.
   """
-  length = tokens_BT.shape[1]
-  pad_count_B = (length - jnp.sum(valid_BT, axis=1)).astype(jnp.int32)
-  ctx = StepContext(valid_BT=valid_BT, pad_count_B=pad_count_B,
-                    position=jnp.zeros((), jnp.int32))
+  ctx = StepContext.for_prompt(valid_BT)
   h_BTD = model.embed(tokens_BT)
-  h_BTD, layers = _run_groups(model, h_BTD, cache.layers, ctx, PREFILL_STEPS)
-  logits = logits_from_hidden(model, h_BTD if all_logits else h_BTD[:, -1:])
-  new_cache = cache.replace(layers=layers, pad_count_B=pad_count_B,
-                            position=jnp.asarray(length, jnp.int32))
+  h_BTD, layers = _run_groups(model, h_BTD, cache.layers, ctx, "prefill")
+  logits = model.logits_from_hidden(h_BTD if all_logits else h_BTD[:, -1:])
+  new_cache = cache.replace(layers=layers, pad_count_B=ctx.pad_count_B,
+                            position=jnp.asarray(tokens_BT.shape[1], jnp.int32))
   return (logits if all_logits else logits[:, 0]), new_cache
 
 
 def decode_impl(model, token_B: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
   """One token per row at padded index `cache.position`; returns logits [B, V] and the cache."""
-  batch = token_B.shape[0]
-  ctx = StepContext(valid_BT=jnp.ones((batch, 1), bool), pad_count_B=cache.pad_count_B,
-                    position=cache.position)
+  ctx = StepContext.for_token(cache)
   h_B1D = model.embed(token_B[:, None])
-  h_B1D, layers = _run_groups(model, h_B1D, cache.layers, ctx, DECODE_STEPS)
-  logits_B1V = logits_from_hidden(model, h_B1D)
+  h_B1D, layers = _run_groups(model, h_B1D, cache.layers, ctx, "decode")
+  logits_B1V = model.logits_from_hidden(h_B1D)
   return logits_B1V[:, 0], cache.replace(layers=layers, position=cache.position + 1)

@@ -1,7 +1,9 @@
 """Causal depthwise short convolution (GDN's q/k/v convs, §2 step 1), no bias.
 
 Weight [C, K] in PyTorch cross-correlation order: tap K-1 multiplies the current token, tap 0 the
-token K-1 steps back; the input is left-padded with K-1 zeros so the output at t reads only <= t.
+token K-1 steps back. The output at t reads only inputs <= t: the K-1 inputs before the first one
+are the carried state (the previous call's last K-1 inputs, oldest first), zeros at the start of
+a sequence. Training starts from zeros; prefill and decode carry the state from call to call.
 """
 
 from __future__ import annotations
@@ -13,13 +15,25 @@ from flax import nnx
 from lalte_jax.layers import initializers
 
 
-def causal_depthwise_conv(x_BTC: jax.Array, weight_CK: jax.Array) -> jax.Array:
+def causal_depthwise_conv(x_BTC: jax.Array, weight_CK: jax.Array,
+                          state_BKC: jax.Array | None = None) -> jax.Array:
+  """The convolution of x continuing after `state_BKC` [B, K-1, C] (None: zeros)."""
   kernel_size = weight_CK.shape[1]
   length = x_BTC.shape[1]
-  padded = jnp.pad(x_BTC, ((0, 0), (kernel_size - 1, 0), (0, 0)))
+  if state_BKC is None:
+    full_BSC = jnp.pad(x_BTC, ((0, 0), (kernel_size - 1, 0), (0, 0)))
+  else:
+    full_BSC = jnp.concatenate([state_BKC.astype(x_BTC.dtype), x_BTC], axis=1)
   weight = weight_CK.astype(x_BTC.dtype)
   # K shifted views (K = 4): cheaper to read than a general conv and exactly the reference order.
-  return sum(padded[:, i:i + length, :] * weight[:, i] for i in range(kernel_size))
+  return sum(full_BSC[:, i:i + length, :] * weight[:, i] for i in range(kernel_size))
+
+
+def next_state(state_BKC: jax.Array, x_BTC: jax.Array) -> jax.Array:
+  """The last K-1 inputs of the sequence `state_BKC` then `x_BTC`: the state after x."""
+  taps = state_BKC.shape[1]
+  full_BSC = jnp.concatenate([state_BKC.astype(x_BTC.dtype), x_BTC], axis=1)
+  return full_BSC[:, full_BSC.shape[1] - taps:]
 
 
 class ShortConv(nnx.Module):
@@ -28,5 +42,9 @@ class ShortConv(nnx.Module):
   def __init__(self, channels: int, kernel_size: int, *, init_std: float, rngs: nnx.Rngs):
     self.weight = nnx.Param(initializers.normal(init_std)(rngs.params(), (channels, kernel_size)))
 
-  def __call__(self, x_BTC: jax.Array) -> jax.Array:
-    return jax.nn.silu(causal_depthwise_conv(x_BTC, self.weight[...]))
+  def __call__(self, x_BTC: jax.Array, state_BKC: jax.Array | None = None) -> jax.Array:
+    return jax.nn.silu(causal_depthwise_conv(x_BTC, self.weight[...], state_BKC))
+
+  def step(self, x_BTC: jax.Array, state_BKC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the output on x after `state_BKC`, the state after x): prefill and decode."""
+    return self(x_BTC, state_BKC), next_state(state_BKC, x_BTC)

@@ -1,17 +1,28 @@
 """Softmax attention with RoPE and GQA: full causal or sliding window (§3.1).
 
 The q/k/v/o projections here are shared by every attention-type mixer (LTE and NSA add to them).
+
+Decoding: `prefill` runs the left-padded prompt (RoPE positions start at each row's first real
+token) and fills the cache, `decode` adds one token and attends over it. Caches
+(`lalte_jax.inference.caches.KVCache`): full attention keeps every key and value at slot = padded
+index; SWA keeps a ring of `window_size` slots, the key at padded index p in slot
+p % window_size. A full-attention layer may instead keep an `EvictionCache` (TOVA or uniform
+stride, `lalte_jax.inference.eviction`, §7.1-7.2).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.inference import eviction
+from lalte_jax.inference.caches import KVCache, StepContext, write_prompt
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.projections import input_projection, output_projection
 from lalte_jax.sharding import per_shard
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.masked_attention import masked_attention
 
 
@@ -35,9 +46,25 @@ class AttentionProjections(nnx.Module):
     v = self.v_proj(x_BTD).reshape(batch, length, self.num_kv_heads, self.head_dim)
     return q, k, v
 
+  def roped_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array, theta: float
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q and k after RoPE at `positions_BT`, and v."""
+    q_BTHD, k_BTKD, v_BTKD = self.qkv(x_BTD)
+    return (apply_rope(q_BTHD, positions_BT, theta), apply_rope(k_BTKD, positions_BT, theta),
+            v_BTKD)
+
   def output(self, o_BTHD: jax.Array) -> jax.Array:
     batch, length = o_BTHD.shape[:2]
     return self.o_proj(o_BTHD.reshape(batch, length, -1))
+
+
+def ring_from_prompt(x_BTKD: jax.Array, ring_size: int) -> jax.Array:
+  """The last `ring_size` prompt entries placed at slot (padded index mod ring_size)."""
+  length = x_BTKD.shape[1]
+  if length < ring_size:
+    return jnp.pad(x_BTKD, ((0, 0), (0, ring_size - length), (0, 0), (0, 0)))
+  start = length - ring_size
+  return jnp.roll(x_BTKD[:, start:], start % ring_size, axis=1)
 
 
 class Attention(nnx.Module):
@@ -50,12 +77,55 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     attn = self.config
-    q_BTHD, k_BTKD, v_BTKD = self.proj.qkv(x_BTD)
-    positions_BT = default_positions(*x_BTD.shape[:2])
-    q_BTHD = apply_rope(q_BTHD, positions_BT, attn.rope_theta)
-    k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
+    q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(
+        x_BTD, default_positions(*x_BTD.shape[:2]), attn.rope_theta)
     o_BTHD = per_shard(
         lambda q, k, v: masked_attention(q, k, v, window_size=attn.window_size,
                                          implementation=attn.implementation),
         q_BTHD, k_BTKD, v_BTKD)
     return self.proj.output(o_BTHD)
+
+  def prefill(self, x_BTD: jax.Array, cache, ctx: StepContext):
+    """The layer over a left-padded prompt (pads invisible) and the cache after it."""
+    attn = self.config
+    q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, ctx.real_positions_BT, attn.rope_theta)
+    o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,
+                              key_valid_BS=ctx.valid_BT, implementation=attn.implementation)
+    if isinstance(cache, eviction.EvictionCache):
+      cache = eviction.eviction_prefill(cache, q_BTHD, k_BTKD, v_BTKD, ctx.valid_BT,
+                                        ctx.pad_count_B)
+    elif attn.window_size is not None:
+      window = attn.window_size
+      cache = KVCache(k_BSKD=ring_from_prompt(k_BTKD, window).astype(cache.k_BSKD.dtype),
+                      v_BSKD=ring_from_prompt(v_BTKD, window).astype(cache.v_BSKD.dtype))
+    else:
+      cache = KVCache(k_BSKD=write_prompt(cache.k_BSKD, k_BTKD),
+                      v_BSKD=write_prompt(cache.v_BSKD, v_BTKD))
+    return self.proj.output(o_BTHD), cache
+
+  def decode(self, x_B1D: jax.Array, cache, ctx: StepContext):
+    """One new token per row at padded index `ctx.position`."""
+    attn = self.config
+    q_B1HD, k_B1KD, v_B1KD = self.proj.roped_qkv(x_B1D, ctx.real_positions_BT, attn.rope_theta)
+    if isinstance(cache, eviction.EvictionCache):
+      o_B1HD, cache = eviction.eviction_decode(cache, q_B1HD, k_B1KD, v_B1KD,
+                                               ctx.real_positions_BT[:, 0],
+                                               implementation=attn.implementation)
+      return self.proj.output(o_B1HD), cache
+    slots = cache.k_BSKD.shape[1]
+    slot = ctx.position % slots if attn.window_size is not None else ctx.position
+    write = lambda buffer, x: jax.lax.dynamic_update_slice_in_dim(
+        buffer, x.astype(buffer.dtype), slot, axis=1)
+    cache = KVCache(k_BSKD=write(cache.k_BSKD, k_B1KD), v_BSKD=write(cache.v_BSKD, v_B1KD))
+    slot_S = jnp.arange(slots, dtype=jnp.int32)
+    if attn.window_size is not None:
+      # Padded index held by each ring slot: the latest p <= position with p = slot (mod size);
+      # negative for slots not yet written. The ring holds exactly the window.
+      held_S = ctx.position - (ctx.position - slot_S) % slots
+    else:
+      held_S = jnp.where(slot_S <= ctx.position, slot_S, -1)
+    valid_BS = (held_S[None, :] >= ctx.pad_count_B[:, None]) & (held_S[None, :] >= 0)
+    # The query is the newest token: every valid slot is in its past (no causal mask needed).
+    o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD, cache.v_BSKD, key_valid=valid_BS,
+                             implementation=attn.implementation)
+    return self.proj.output(o_BHD[:, None]), cache

@@ -3,10 +3,15 @@
 x -> q, k, v (projection, causal depthwise conv 4, SiLU), beta = sigmoid(b_proj x),
 g = -exp(A_log) * softplus(a_proj x + dt_bias) (natural-log decay, float32), the gated delta rule
 with q/k l2-normalised inside the kernel, then a per-head RMSNorm gated by SiLU(g_proj x), o_proj.
+
+Decoding (`step`, for prefill and decode alike) carries the cache `GDNCache`: the last
+`conv_size - 1` conv inputs of q, k and v and the float32 recurrent state. Left pads leave both
+unchanged, so a padded row ends in the state of its unpadded prompt.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -14,11 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.inference.caches import GDNCache, StepContext
 from lalte_jax.layers.norms import rms_normalize
 from lalte_jax.layers.short_conv import ShortConv
 from lalte_jax.mixers.projections import input_projection, output_projection
 from lalte_jax.sharding import per_shard
-from pallas_kernels.gated_delta_rule import ChunkConfig, chunk_gated_delta_rule
+from pallas_kernels.gated_delta_rule import (ChunkConfig, chunk_gated_delta_rule,
+                                             fused_recurrent_gated_delta_rule)
 
 
 def init_a_log(key: jax.Array, num_heads: int) -> jax.Array:
@@ -91,3 +98,38 @@ class GatedDeltaNet(nnx.Module):
 
     o_BTHV = per_shard(delta_rule, q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)
     return self.output(o_BTHV, x_BTD)
+
+  def step(self, x_BTD: jax.Array, cache: GDNCache, ctx: StepContext
+           ) -> tuple[jax.Array, GDNCache]:
+    """GDN on T >= 1 tokens continuing from `cache` (an empty one at prefill)."""
+    gdn = self.config.gdn
+    batch, length = x_BTD.shape[:2]
+    valid_BT1 = ctx.valid_BT[:, :, None]
+
+    def conv(proj, conv_module, state_BKC, head_dim):
+      # Zeroed conv inputs at pads are exactly the zero padding of an unpadded row.
+      y_BTC, new_state = conv_module.step(jnp.where(valid_BT1, proj(x_BTD), 0), state_BKC)
+      return y_BTC.reshape(batch, length, gdn.num_heads, head_dim), new_state
+
+    q_BTHK, conv_q = conv(self.q_proj, self.q_conv, cache.conv_q_BKC, gdn.head_dim)
+    k_BTHK, conv_k = conv(self.k_proj, self.k_conv, cache.conv_k_BKC, gdn.head_dim)
+    v_BTHV, conv_v = conv(self.v_proj, self.v_conv, cache.conv_v_BKC, gdn.value_dim)
+    g_BTH, beta_BTH = self.gates(x_BTD)
+    # g = 0 (no decay) and beta = 0 (no write) make a pad an identity step of the recurrence.
+    g_BTH = jnp.where(valid_BT1, g_BTH, 0.0)
+    beta_BTH = jnp.where(valid_BT1, beta_BTH, 0.0)
+    if length == 1:
+      kernel = fused_recurrent_gated_delta_rule
+    else:
+      kernel = functools.partial(chunk_gated_delta_rule,
+                                 config=ChunkConfig(chunk_size=gdn.chunk_size))
+    o_BTHV, state_BHKV = kernel(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH,
+                                initial_state=cache.state_BHKV, output_final_state=True,
+                                use_qk_l2norm=True, implementation=gdn.implementation)
+    new_cache = GDNCache(conv_q_BKC=conv_q, conv_k_BKC=conv_k, conv_v_BKC=conv_v,
+                         state_BHKV=state_BHKV.astype(jnp.float32))
+    return self.output(o_BTHV, x_BTD), new_cache
+
+  # The recurrence runs the same way over a prompt and over one new token.
+  prefill = step
+  decode = step

@@ -7,6 +7,12 @@ cache (§5). The boolean selection carries no gradient, so the router learns thr
 straight-through estimator on v (§4.3): forward v is unchanged, backward
 dL/dscore_{j,h} = sum_d v_{j,h,d} dL/dv_{j,h,d} with the total gradient of v (in-window use
 included, G10).
+
+Decoding keeps the constant-memory LTE cache (§5; the cache and its array operations are in
+`lalte_jax.inference.lte_cache`, whose docstring describes it): `prefill` scores the prompt,
+fills the ring and the capped out-of-window set and runs every prompt query against its window
+plus that set; `decode` rescores the ring when due, evicts the oldest ring token into the set,
+inserts the new token and attends over the cache. Keys are roped at padded-tensor indices (§5.5).
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.inference import lte_cache
+from lalte_jax.inference.caches import StepContext
+from lalte_jax.inference.lte_cache import LTECache
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.attention import AttentionProjections
 from lalte_jax.mixers.lte_router import LTERouter
 from lalte_jax.sharding import per_shard
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.masked_attention import masked_attention
 
 
@@ -83,3 +93,61 @@ class LTEAttention(nnx.Module):
                                                implementation=lte.implementation),
         q_BTHD, k_BTKD, v_BTKD, selected_tokens(score_BTK))
     return self.proj.output(o_BTHD), score_BTK
+
+  def prefill(self, x_BTD: jax.Array, cache: LTECache, ctx: StepContext
+              ) -> tuple[jax.Array, LTECache]:
+    """The layer over a left-padded prompt and the filled cache, position = L (§5.2).
+
+    Each prompt query attends to its window (w + 1 keys, padding excluded) plus the kept OOW set
+    *at the end of the prompt* restricted to keys at least W older (§5.2 step 6, G24); below the
+    cap this equals the training-time layer. Outputs at pads are zero; the cache's contents on
+    entry are ignored (a prompt starts a sequence).
+    """
+    lte = self.config
+    real_BT = ctx.valid_BT
+    q_BTHD, k_pre_BTKD, v_BTKD = self.proj.qkv(x_BTD)
+    score_BTK = self.router(k_pre_BTKD, v_BTKD, mask_BT=real_BT)
+    score_BTK = lte_cache.mark_sinks_and_padding(score_BTK, real_BT, lte.num_sinks)
+    positions_BT = default_positions(*x_BTD.shape[:2])  # padded-tensor indices (G25)
+    q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
+    k_BTKD = apply_rope(k_pre_BTKD, positions_BT, lte.rope_theta)
+    k_BTKD, v_BTKD = k_BTKD.astype(cache.k.dtype), v_BTKD.astype(cache.v.dtype)
+    cache, kept_BTK = lte_cache.fill_from_prompt(cache, lte, k_BTKD, v_BTKD, score_BTK, real_BT)
+    # Kept keys inside a query's window are visible anyway, so "kept, or within the window" is the
+    # spec's "window plus kept keys with j <= t - W". Sinks are kept by their +inf score, so the
+    # attention op's position-based sinks are off (with padding they are not at positions 0..s-1).
+    o_BTHD = masked_attention(
+        q_BTHD, k_BTKD, v_BTKD, window_size=lte.window_keys, num_sinks=0, kept_BSK=kept_BTK,
+        key_valid_BS=real_BT, implementation=lte.implementation)
+    out_BTD = self.proj.output(o_BTHD.astype(q_BTHD.dtype))
+    return jnp.where(real_BT[:, :, None], out_BTD, jnp.zeros_like(out_BTD)), cache
+
+  def decode(self, x_B1D: jax.Array, cache: LTECache, ctx: StepContext
+             ) -> tuple[jax.Array, LTECache]:
+    """One new (real) token per row at position t = cache.position (§5.3), from a prefilled
+    cache or an empty one (`init_lte_cache`). The cache keeps its shapes and dtypes."""
+    del ctx  # the LTE cache tracks its own padded-tensor position (§5.5)
+    lte = self.config
+    batch = x_B1D.shape[0]
+    q_B1HD, k_pre_B1KD, v_B1KD = self.proj.qkv(x_B1D)
+    positions_B1 = jnp.broadcast_to(cache.position, (batch, 1))
+    q_B1HD = apply_rope(q_B1HD, positions_B1, lte.rope_theta)
+    k_B1KD = apply_rope(k_pre_B1KD, positions_B1, lte.rope_theta)
+
+    cache = lte_cache.rescore_if_due(cache, lte, self.router)
+    if lte.router_margin == 0:
+      # A context-free router's score is final at once; no lazy trigger would ever fire (§7.3).
+      new_score_B1K = self.router(k_pre_B1KD, v_B1KD)
+    else:
+      new_score_B1K = jnp.full((batch, 1, lte.num_kv_heads), lte_cache.PROVISIONAL_SCORE,
+                               jnp.float32)
+    cache = lte_cache.insert_token(cache, lte, k_B1KD, v_B1KD, new_score_B1K)
+
+    # The new token is in the ring now, so the window is keys t-w..t; everything cached is in the
+    # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below
+    # W + past_len (split so the kernel skips unfilled OOW slots).
+    o_BHD = decode_attention(
+        q_B1HD[:, 0], cache.k, cache.v, scale=lte.head_dim ** -0.5,
+        length_BK=lte.window_keys + cache.past_len,
+        key_valid=lte_cache.visible_slots(cache, lte), implementation=lte.implementation)
+    return self.proj.output(o_BHD[:, None].astype(q_B1HD.dtype)), cache

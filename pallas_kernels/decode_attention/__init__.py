@@ -1,8 +1,10 @@
 """Decode attention: one query per (batch row, query head) over a KV cache's slots.
 
-Public entry: `decode_attention`. It serves every decode cache: the LTE cache (ring + compacted
-out-of-window set, per-(row, KV head) lengths and ring blanks, §5.3 step 4), the SWA
-ring and the full-attention cache. See `reference` for the exact definition.
+Public entries: `decode_attention`, which serves every decode cache: the LTE cache (ring +
+compacted out-of-window set, per-(row, KV head) lengths and ring blanks, §5.3 step 4), the SWA
+ring and the full-attention cache; and `decode_attention_weights`, the same query's softmax
+weights over the slots (what TOVA eviction ranks tokens by, §7.1). See `reference` for the exact
+definitions.
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ from pallas_kernels.decode_attention import pallas, reference
 from pallas_kernels.decode_attention.pallas import DecodeBlockSizes
 from pallas_kernels.dispatch import Implementation, resolve
 
-__all__ = ["decode_attention", "DecodeBlockSizes"]
+__all__ = ["decode_attention", "decode_attention_weights", "DecodeBlockSizes"]
 
 # What implementation=None runs on a GPU: the split-K kernel (bandwidth-bound, reads each slot
 # once for all G query heads); head dims it cannot tile go to "xla".
 GPU_DEFAULT = ("pallas", "xla")
 
 
-def _check_arguments(q_BHD, k_BNKD, v_BNKD, length_BK, key_valid):
-  op = "decode_attention"
+def _check_arguments(q_BHD, k_BNKD, v_BNKD, length_BK, key_valid, op="decode_attention"):
   check_qkv(op, q_BHD, k_BNKD, v_BNKD, names=("q_BHD", "k_BNKD", "v_BNKD"), one_query=True)
   batch, num_slots, num_kv_heads = k_BNKD.shape[:3]
   check_mask(op, "length_BK", length_BK, {"[B, Hkv]": (batch, num_kv_heads)}, integer=True)
@@ -68,3 +69,26 @@ def decode_attention(
                     {"xla": reference.decode_attention, "pallas": pallas_version},
                     gpu_default=GPU_DEFAULT)
   return version(q_BHD, k_BNKD, v_BNKD, scale=scale, length_BK=length_BK, key_valid=key_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "implementation"))
+def decode_attention_weights(
+    q_BHD: jax.Array,
+    k_BNKD: jax.Array,
+    *,
+    scale: float | None = None,
+    length_BK: jax.Array | None = None,
+    key_valid: jax.Array | None = None,
+    implementation: Implementation = None,
+) -> jax.Array:
+  """The softmax weights of `decode_attention` (same arguments without the values).
+
+  Returns [B, Hq, N] float32 (float64 for float64 inputs), 0 on invisible slots. One version:
+  "xla" (None picks it on every backend).
+  """
+  _check_arguments(q_BHD, k_BNKD, k_BNKD, length_BK, key_valid, op="decode_attention_weights")
+  if scale is None:
+    scale = q_BHD.shape[-1] ** -0.5
+  version = resolve("decode_attention_weights", implementation,
+                    {"xla": reference.decode_attention_weights}, gpu_default=("xla",))
+  return version(q_BHD, k_BNKD, scale=scale, length_BK=length_BK, key_valid=key_valid)

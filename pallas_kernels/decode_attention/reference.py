@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.masked_attention.reference import attention_with_mask
+from pallas_kernels.masked_attention.reference import attention_probs, attention_with_mask
 
 
 def visible_slots(num_slots: int, batch: int, num_kv_heads: int, *, length_BK=None,
@@ -40,3 +40,15 @@ def decode_attention(q_BHD: jax.Array, k_BNKD: jax.Array, v_BNKD: jax.Array, *, 
   out_B1HD = attention_with_mask(q_BHD[:, None], k_BNKD, v_BNKD, visible_BKN[:, :, None, :],
                                  scale=scale)
   return out_B1HD[:, 0].astype(q_BHD.dtype)
+
+
+def decode_attention_weights(q_BHD: jax.Array, k_BNKD: jax.Array, *, scale: float,
+                             length_BK: jax.Array | None = None,
+                             key_valid: jax.Array | None = None) -> jax.Array:
+  """[B, Hq, N]: each query head's softmax weights over the slots (0 where invisible), float32
+  (float64 for float64 inputs). Arguments are assumed valid (the public entry checks them)."""
+  batch, num_slots, num_kv_heads, _ = k_BNKD.shape
+  visible_BKN = visible_slots(num_slots, batch, num_kv_heads, length_BK=length_BK,
+                              key_valid=key_valid)
+  probs_BKG1N = attention_probs(q_BHD[:, None], k_BNKD, visible_BKN[:, :, None, :], scale=scale)
+  return probs_BKG1N.reshape(batch, q_BHD.shape[1], num_slots)

@@ -74,6 +74,30 @@ def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
   return weights / jnp.where(total > 0, total, 1.0)
 
 
+def attention_probs(
+    q_BTHD: jax.Array,
+    k_BSKD: jax.Array,
+    mask_BKTS: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+  """softmax(scale * q k^T) restricted to the mask, with GQA: [B, Hkv, G, T, S] in the compute
+  dtype (G = Hq // Hkv; query head h is (h // G, h % G)).
+
+  q_BTHD [B, T, Hq, D]; k_BSKD [B, S, Hkv, D]; mask_BKTS bool, broadcastable to [B, Hkv, T, S].
+  """
+  batch, query_len, num_q_heads, head_dim = q_BTHD.shape
+  num_kv_heads = k_BSKD.shape[2]
+  group = num_q_heads // num_kv_heads
+  dtype = compute_dtype(q_BTHD.dtype)
+  # Consecutive query heads share a KV head (G21): split Hq into (Hkv, G).
+  q_BTKGD = q_BTHD.reshape(batch, query_len, num_kv_heads, group, head_dim)
+  # Scale the float32 scores, not the (possibly bf16) queries, so that scaling adds no rounding.
+  scores_BKGTS = scale * jnp.einsum(
+      "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, precision=HIGHEST, preferred_element_type=dtype)
+  return masked_softmax(scores_BKGTS, mask_BKTS[:, :, None])
+
+
 def attention_with_mask(
     q_BTHD: jax.Array,
     k_BSKD: jax.Array,
@@ -88,18 +112,10 @@ def attention_with_mask(
   broadcastable to [B, Hkv, T, S]. Returns [B, T, Hq, Dv] in float32 (float64 for float64 inputs);
   callers cast, so that sums of several branches (NSA) round only once.
   """
-  batch, query_len, num_q_heads, head_dim = q_BTHD.shape
-  num_kv_heads = k_BSKD.shape[2]
-  group = num_q_heads // num_kv_heads
-  dtype = compute_dtype(q_BTHD.dtype)
-  # Consecutive query heads share a KV head (G21): split Hq into (Hkv, G).
-  q_BTKGD = q_BTHD.reshape(batch, query_len, num_kv_heads, group, head_dim)
-  # Scale the float32 scores, not the (possibly bf16) queries, so that scaling adds no rounding.
-  scores_BKGTS = scale * jnp.einsum(
-      "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, precision=HIGHEST, preferred_element_type=dtype)
-  probs_BKGTS = masked_softmax(scores_BKGTS, mask_BKTS[:, :, None])
+  batch, query_len, num_q_heads = q_BTHD.shape[:3]
+  probs_BKGTS = attention_probs(q_BTHD, k_BSKD, mask_BKTS, scale=scale)
   out_BTKGD = jnp.einsum(
-      "bkgts,bskd->btkgd", probs_BKGTS, v_BSKD.astype(dtype), precision=HIGHEST)
+      "bkgts,bskd->btkgd", probs_BKGTS, v_BSKD.astype(probs_BKGTS.dtype), precision=HIGHEST)
   return out_BTKGD.reshape(batch, query_len, num_q_heads, v_BSKD.shape[-1])
 
 

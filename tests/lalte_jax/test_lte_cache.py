@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from lalte_jax.config import get_model_config
-from lalte_jax.inference.lte_cache import (LTECache, init_lte_cache, lte_decode_step, lte_prefill,
-                                           lte_rescore_if_due)
+from lalte_jax.inference.caches import StepContext
+from lalte_jax.inference.lte_cache import LTECache, init_lte_cache, rescore_if_due
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.lte import LTEAttention
 
@@ -41,6 +41,18 @@ def set_keep_fraction(layer, x_BTD, fraction):
   layer.router.proj_bias[...] = layer.router.proj_bias[...] - jnp.asarray(threshold, jnp.float32)
 
 
+def prompt_context(x_BTD, mask_BT):
+  """The prefill context of a prompt (mask None: no padding)."""
+  return StepContext.for_prompt(jnp.ones(x_BTD.shape[:2], bool) if mask_BT is None else mask_BT)
+
+
+def token_context(cache):
+  """A decode context; the LTE layer reads its position from its own cache (§5.5)."""
+  batch = cache.blank.shape[0]
+  return StepContext(valid_BT=jnp.ones((batch, 1), bool),
+                     pad_count_B=jnp.zeros((batch,), jnp.int32), position=cache.position)
+
+
 class Runner:
   """Jitted prefill / decode / rescoring bound to one layer (split once, merged inside jit)."""
 
@@ -48,13 +60,13 @@ class Runner:
     graphdef, self.state = nnx.split(layer)
     self.lte = layer.config
     merge = lambda state: nnx.merge(graphdef, state)
-    self._prefill = jax.jit(lambda s, x, m, c: lte_prefill(merge(s), x, m, c))
-    self._decode = jax.jit(lambda s, x, c: lte_decode_step(merge(s), x, c))
-    self._rescore = jax.jit(lambda s, c: lte_rescore_if_due(merge(s), c))
+    self._prefill = jax.jit(lambda s, x, m, c: merge(s).prefill(x, c, prompt_context(x, m)))
+    self._decode = jax.jit(lambda s, x, c: merge(s).decode(x, c, token_context(c)))
+    self._rescore = jax.jit(lambda s, c: rescore_if_due(c, self.lte, merge(s).router))
 
     def decode_many(state, x_BND, cache):
       def step(cache, x_BD):
-        out_B1D, cache = lte_decode_step(merge(state), x_BD[:, None], cache)
+        out_B1D, cache = merge(state).decode(x_BD[:, None], cache, token_context(cache))
         return cache, out_B1D[:, 0]
       cache, out_NBD = jax.lax.scan(step, cache, jnp.swapaxes(x_BND, 0, 1))
       return jnp.swapaxes(out_NBD, 0, 1), cache
@@ -272,7 +284,7 @@ def test_every_token_leaves_the_window_with_its_full_context_score(prefix, pads)
   rescorings = 0
   for t in range(prefix, length):
     before = int(cache.ptr)
-    cache = runner.rescore(cache)  # what lte_decode_step does first; idempotent
+    cache = runner.rescore(cache)  # what LTEAttention.decode does first; idempotent
     rescorings += int(cache.ptr) != before
     leaving = np.asarray(cache.score[:, int(cache.ptr)])  # [B, K]
     expected = full_score[:, t - W] if t >= W else np.full_like(leaving, -np.inf)

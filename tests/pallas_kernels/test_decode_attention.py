@@ -1,5 +1,6 @@
 """decode_attention: the reference against a per-query loop over the visible slots, and the
-Pallas split-K kernel (interpret mode on CPU, compiled on GPU) against the reference."""
+Pallas split-K kernel (interpret mode on CPU, compiled on GPU) against the reference;
+decode_attention_weights against the same loop."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
+from pallas_kernels.decode_attention import (DecodeBlockSizes, decode_attention,
+                                             decode_attention_weights)
 from tests.kernel_testing import assert_close, float64
 
 
@@ -63,6 +65,28 @@ def test_reference_matches_brute_force(per_head_mask):
                            implementation="xla")
     np.testing.assert_allclose(np.asarray(out), _brute_force(q, k, v, length, valid, 0.3),
                                rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("per_head_mask", [False, True])
+def test_weights_are_the_softmax_over_the_visible_slots(per_head_mask):
+  q, k, _, length, valid = _inputs(1, per_head_mask=per_head_mask)
+  group = q.shape[1] // k.shape[2]
+  visible = _visible(length, valid, k.shape[1])
+  with float64():
+    weights = np.asarray(decode_attention_weights(
+        jnp.asarray(q), jnp.asarray(k), scale=0.3, length_BK=jnp.asarray(length),
+        key_valid=jnp.asarray(valid)))
+  assert weights.shape == (q.shape[0], q.shape[1], k.shape[1])
+  for b in range(q.shape[0]):
+    for h in range(q.shape[1]):
+      slots = visible[b, h // group]
+      expected = np.zeros(k.shape[1])
+      if slots.any():
+        scores = 0.3 * k[b, slots, h // group] @ q[b, h]
+        expected[slots] = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+      np.testing.assert_allclose(weights[b, h], expected, rtol=1e-10, atol=1e-12)
+  with pytest.raises(NotImplementedError, match="decode_attention_weights"):
+    decode_attention_weights(jnp.asarray(q), jnp.asarray(k), implementation="pallas")
 
 
 def _check_pallas(seed, dtype, block_sizes, **shape):

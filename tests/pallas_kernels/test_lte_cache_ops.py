@@ -162,7 +162,8 @@ def test_gpu_pallas_compaction_matches_xla_at_model_shapes(length):
 def test_lte_decode_with_pallas_kernels_matches_xla():
   # Imported here: the kernels' own tests do not depend on the model package.
   from lalte_jax.config import get_model_config
-  from lalte_jax.inference.lte_cache import init_lte_cache, lte_decode_step, lte_prefill
+  from lalte_jax.inference.caches import StepContext
+  from lalte_jax.inference.lte_cache import init_lte_cache
   from lalte_jax.mixers.lte import LTEAttention
 
   config = get_model_config("lalte-tiny").replace(dtype="float32")
@@ -180,11 +181,14 @@ def test_lte_decode_with_pallas_kernels_matches_xla():
     @jax.jit
     def go(state, x):
       layer = nnx.merge(graphdef, state)
-      _, cache = lte_prefill(layers["xla"], x[:, :prompt_len], pad_mask,
-                             init_lte_cache(lte, x.shape[0], x.dtype))
+      prompt_context = StepContext.for_prompt(pad_mask)
+      _, cache = layers["xla"].prefill(x[:, :prompt_len],
+                                       init_lte_cache(lte, x.shape[0], x.dtype), prompt_context)
+      # The LTE layer reads its position from its cache (§5.5); the context gives the pads.
+      token_context = prompt_context.replace(valid_BT=jnp.ones((x.shape[0], 1), bool))
 
       def step(cache, x_BD):
-        out_B1D, cache = lte_decode_step(layer, x_BD[:, None], cache)
+        out_B1D, cache = layer.decode(x_BD[:, None], cache, token_context)
         return cache, out_B1D[:, 0]
       return jax.lax.scan(step, cache, jnp.swapaxes(x[:, prompt_len:], 0, 1))
     return go(state, x)
