@@ -4,12 +4,13 @@ import os
 import pathlib
 import signal
 
-# jaxlib 0.10.2's XLA:CPU can deadlock (all threads idle, block_until_ready never returns) when
-# XNNPACK fusions run on a small thread pool, as on 2-core CI machines; seen with the tiny laLTE
-# train step. The flag must be set before JAX creates its CPU backend and only affects that backend.
-if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
-                             ).strip()
+from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
+from tests.child_processes import TEST_COMPILE_FLAGS  # pylint: disable=wrong-import-position
+
+# Before JAX creates its CPU backend: the platform workarounds of the entry points, and the tests'
+# compile flags (tests/child_processes.py says why); child processes inherit both.
+xla_flags.apply_workarounds()
+xla_flags.apply(*TEST_COMPILE_FLAGS)
 
 # One persistent XLA compilation cache for the whole run, shared by the xdist workers and by the
 # child processes that tests start (they inherit the environment): many tests compile the same

@@ -40,15 +40,14 @@ import sys
 import time
 import traceback
 
-# jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK fusions on small thread pools (see
-# lalte_jax/train/cli.py); CPU-only flag, set before JAX creates its backends.
-if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
-                             ).strip()
 
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # run as a script from a checkout
   sys.path.insert(0, str(_REPO_ROOT))
+
+from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
+
+xla_flags.apply_workarounds()  # before JAX creates a backend
 
 DEFAULT_PRESETS = ("lalte-0.4b", "lansa-0.4b", "nsa-0.4b", "gdn_swa-0.4b", "gdn_attn-0.4b")
 RESULT_PREFIX = "BENCH_RESULT "

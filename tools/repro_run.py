@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
 import time
 
-if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):  # jaxlib 0.10.2 CPU deadlock
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
-                             ).strip()
 
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # run as a script from a checkout
   sys.path.insert(0, str(_REPO_ROOT))
+
+from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
+
+xla_flags.apply_workarounds()  # before JAX creates a backend
 
 import jax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position

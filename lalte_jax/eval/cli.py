@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
 
-# jaxlib 0.10.2's XLA:CPU can deadlock with XNNPACK on small thread pools (see lalte_jax/train/cli.py).
-if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
-                             ).strip()
+
+from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
+
+xla_flags.apply_workarounds()  # before JAX creates a backend
 
 from lalte_jax import cli_boundary  # pylint: disable=wrong-import-position
 

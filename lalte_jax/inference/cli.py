@@ -14,7 +14,6 @@ completion. Bad inputs exit with status 2 and a one-line error.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 

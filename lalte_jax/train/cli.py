@@ -17,16 +17,13 @@ non-finite-gradient steps, 4 no step finished within step_timeout_s (lalte_jax/t
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 
-# XLA:CPU in jaxlib 0.10.2 can deadlock (every thread idle, block_until_ready never returns) when
-# its XNNPACK fusions run on a small thread pool, as on 2-core machines; seen with the tiny laLTE
-# train step. The flag only affects the CPU backend. Set before JAX creates its backends.
-if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
-                             ).strip()
+
+from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
+
+xla_flags.apply_workarounds()  # before JAX creates a backend
 
 from lalte_jax import cli_boundary  # pylint: disable=wrong-import-position
 

@@ -15,15 +15,14 @@ corpus that keeps a tokenizer.json gets a copy of its tokenizer files in the exp
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 import shutil
 import sys
 
-# XLA:CPU deadlock workaround of jaxlib 0.10.2 (see lalte_jax/train/cli.py); before JAX starts.
-if "xla_cpu_use_xnnpack" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_xnnpack=false"
-                             ).strip()
+
+from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
+
+xla_flags.apply_workarounds()  # before JAX creates a backend
 
 import jax  # pylint: disable=wrong-import-position
 

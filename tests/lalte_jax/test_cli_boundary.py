@@ -2,7 +2,6 @@
 and the mistakes every CLI shares (a bad flag, `python -m` itself) behave that way."""
 
 import importlib
-import os
 import pathlib
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 
 from lalte_jax import cli_boundary
 from tests.cli_testing import assert_bad_input
+from tests.child_processes import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_bugs_keep_their_traceback_and_the_switch_shows_one_for_bad_input(capsys
 ])
 def test_python_m_exits_2_with_one_line(module, argv, message, children):
   """The modules' entry points pass main()'s status on."""
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  env = child_env()
   env.pop(cli_boundary.ENV_TRACEBACK, None)
   done = children.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env, timeout=300)
   assert_bad_input(done.returncode, done.stderr, message)

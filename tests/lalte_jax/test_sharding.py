@@ -8,11 +8,11 @@ with the platform's default kernels (Triton).
 """
 
 import json
-import os
 import pathlib
 import sys
 
 import pytest
+from tests.child_processes import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # variant -> kernel implementation of its mixers; laLTE runs the Pallas kernels (interpret mode on
@@ -71,8 +71,7 @@ def check(results: dict, tolerance: float) -> None:
 
 @pytest.mark.slow
 def test_mixer_kernels_run_per_shard_and_match_the_unsharded_model(children):
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_cpu_use_xnnpack=false")
+  env = child_env(devices=4)
   proc = children.run([sys.executable, __file__], env=env, cwd=REPO, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))

@@ -3,11 +3,11 @@ and the out-of-memory classification and command-line plumbing it relies on."""
 
 import importlib.util
 import json
-import os
 import pathlib
 import sys
 
 import pytest
+from tests.child_processes import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "bench_train.py"
@@ -23,7 +23,7 @@ def _load_module():
 @pytest.mark.slow
 def test_tiny_preset_runs_and_reports(tmp_path, children):
   output = tmp_path / "bench.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = child_env()
   done = children.run(
       [sys.executable, str(SCRIPT), "--presets", "lalte-tiny", "--seq_len", "64", "--steps", "2",
        "--warmup", "1", "--batch", "2", "--grad_accum", "2", "--remat", "block",

@@ -2,7 +2,6 @@
 every bad input of the train and export CLIs is one line and exit 2; --help and --list-fields."""
 
 import dataclasses
-import os
 import pathlib
 import re
 import sys
@@ -10,11 +9,13 @@ import sys
 import jax.numpy as jnp
 import pytest
 
+from lalte_jax import xla_flags
 from lalte_jax.inference import checkpoint as params_checkpoint
 from lalte_jax.train import checkpointing, export
 from lalte_jax.train.cli import main
 from lalte_jax.train.config import TrainConfig, apply_overrides, load_config, shipped_configs
 from tests.cli_testing import check_bad_input
+from tests.child_processes import TEST_COMPILE_FLAGS, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "lalte_jax" / "configs"
@@ -213,7 +214,8 @@ def test_readme_demo_config_is_small():
 @pytest.mark.slow
 def test_readme_demo_reaches_high_recall_and_exports(tmp_path, children):
   """The README's main command (output redirected): trains, prints held-out recall, saves."""
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  env = child_env()  # the command as users run it: without the tests' compile flags
+  env["XLA_FLAGS"] = xla_flags.without_flags(env["XLA_FLAGS"], *TEST_COMPILE_FLAGS)
   result = children.run(
       [sys.executable, "-m", "lalte_jax.train", "--config", str(CONFIGS / "readme_demo.py"),
        "--set", f"output_dir={tmp_path}", "--set", "progress_bar=false"],

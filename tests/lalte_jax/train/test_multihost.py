@@ -7,7 +7,6 @@ a fresh coordinator port per run. Losses come from the JSONL metrics log that pr
 """
 
 import json
-import os
 import pathlib
 import signal
 import socket
@@ -18,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.child_processes import DISTRIBUTED_ENV
+from tests.child_processes import DISTRIBUTED_ENV, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CONFIG = REPO / "lalte_jax" / "configs" / "tiny_mqar.py"
@@ -43,9 +42,7 @@ def _launch(children, run_dir: pathlib.Path, settings: list[str], *, devices: in
             extra_flags: tuple[str, ...] = ()) -> subprocess.Popen:
   """Starts one CLI process with `devices` CPU devices (one of `children`); its output goes to a
   log in `run_dir`. Distributed timeouts come from DISTRIBUTED_ENV unless `extra_flags` set them."""
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **DISTRIBUTED_ENV,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
-                       " --xla_cpu_use_xnnpack=false")
+  env = child_env(devices=devices, **DISTRIBUTED_ENV)
   for name in ("LALTE_COORDINATOR_ADDRESS", "LALTE_NUM_PROCESSES", "LALTE_PROCESS_ID"):
     env.pop(name, None)
   command = [sys.executable, "-m", "lalte_jax.train", "--config", str(CONFIG), *extra_flags]
@@ -151,8 +148,7 @@ print("TOTAL", float(sharding.to_host(total(rows))), flush=True)
 
 @pytest.mark.slow
 def test_first_step_waits_for_a_process_that_compiles_late(children):
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **DISTRIBUTED_ENV,
-             XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_cpu_use_xnnpack=false")
+  env = child_env(devices=1, **DISTRIBUTED_ENV)
   port = _free_port()
   procs = [children.start([sys.executable, "-c", LATE_PROCESS, str(i), str(port), str(LATE_S)],
                           env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

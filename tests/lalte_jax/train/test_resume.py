@@ -9,7 +9,6 @@ bit for bit on the same mesh (with single-threaded XLA:CPU kernels, see `_launch
 """
 
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -25,7 +24,7 @@ import pytest
 from lalte_jax.inference import checkpoint as params_checkpoint
 from lalte_jax.train import checkpointing, export
 from tests import damage
-from tests.child_processes import ChildProcesses
+from tests.child_processes import ChildProcesses, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 10
@@ -50,12 +49,9 @@ def _launch(children: ChildProcesses, run_dir: pathlib.Path, devices: int,
   # with it, the resumed 4-device run deadlocked in XLA:CPU's in-process collectives (devices
   # waiting at different collectives of one launch, 40 s rendezvous timeout, abort) on the loaded
   # 2-core machine. Cause not found; this keeps the test as it ran before the cache existed.
-  env = {name: value for name, value in os.environ.items()
-         if name != "JAX_COMPILATION_CACHE_DIR"}
-  env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
-                       " --xla_cpu_use_xnnpack=false --xla_cpu_multi_thread_eigen=false"
-                       " intra_op_parallelism_threads=1")
+  env = child_env(devices=devices, flags=("--xla_cpu_multi_thread_eigen=false",
+                                          "intra_op_parallelism_threads=1"))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   log = open(run_dir / f"stdout_{time.monotonic_ns()}.txt", "w", encoding="utf-8")
   command = [sys.executable, "-m", "lalte_jax.train", "--config", str(REPO / "lalte_jax" / "configs" / "tiny_mqar.py")]
   for setting in settings:

@@ -8,7 +8,6 @@ multi-process children take their distributed timeouts from `DISTRIBUTED_ENV`
 """
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.child_processes import DISTRIBUTED_ENV
+from tests.child_processes import DISTRIBUTED_ENV, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 # The optional tensor axis is covered by the layout test below; a third compiled mesh here would
@@ -68,9 +67,7 @@ def _child(process_id: int | None, port: int | None) -> None:
 
 
 def _start(children, device_count: int, *args) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **DISTRIBUTED_ENV,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={device_count}"
-                       " --xla_cpu_use_xnnpack=false")
+  env = child_env(devices=device_count, **DISTRIBUTED_ENV)
   return children.start([sys.executable, __file__, *map(str, args)], env=env, cwd=REPO,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -1,0 +1,47 @@
+"""XLA flags that the entry points set in the environment before JAX creates its backends.
+
+XLA reads `XLA_FLAGS` once, when the first backend starts, so every command-line tool calls
+`apply_workarounds()` at import time, before anything touches a device. Nothing is overridden:
+a flag that `XLA_FLAGS` already names keeps the user's value.
+
+Workarounds (CPU backend only; GPUs ignore them):
+- `--xla_cpu_use_xnnpack=false`: XLA:CPU in jaxlib 0.10.2 can deadlock (every thread idle,
+  `block_until_ready` never returns) when its XNNPACK fusions run on a small thread pool, as on
+  2-core machines; seen with the tiny laLTE train step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+CPU_WORKAROUNDS = ("--xla_cpu_use_xnnpack=false",)
+
+
+def _name(flag: str) -> str:
+  return flag.split("=", 1)[0]
+
+
+def with_flags(text: str, *flags: str, replace: bool = False) -> str:
+  """`text` (an XLA_FLAGS value) with `flags` added. A flag whose name `text` already holds is
+  kept as it is there, unless `replace`, which drops the old setting for the new one."""
+  names = {_name(flag) for flag in flags}
+  kept = [item for item in text.split() if not (replace and _name(item) in names)]
+  present = {_name(item) for item in kept}
+  return " ".join(kept + [flag for flag in flags if _name(flag) not in present])
+
+
+def without_flags(text: str, *flags: str) -> str:
+  """`text` without the settings of the flags named in `flags` (values are ignored)."""
+  names = {_name(flag) for flag in flags}
+  return " ".join(item for item in text.split() if _name(item) not in names)
+
+
+def apply(*flags: str, environ: MutableMapping[str, str] = os.environ) -> None:
+  """Adds `flags` to `environ["XLA_FLAGS"]` (flags already named there keep their value)."""
+  environ["XLA_FLAGS"] = with_flags(environ.get("XLA_FLAGS", ""), *flags)
+
+
+def apply_workarounds(environ: MutableMapping[str, str] = os.environ) -> None:
+  """The platform workarounds above; call before JAX creates a backend."""
+  apply(*CPU_WORKAROUNDS, environ=environ)

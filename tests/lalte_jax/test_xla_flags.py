@@ -1,0 +1,27 @@
+"""lalte_jax.xla_flags: flags are added once, a user's setting wins unless replaced."""
+
+from lalte_jax import xla_flags
+
+
+def test_flags_are_added_once_and_keep_the_users_value():
+  text = "--xla_cpu_use_xnnpack=true --xla_dump_to=/tmp/x"
+  assert xla_flags.with_flags(text, "--xla_cpu_use_xnnpack=false", "--a=1") == text + " --a=1"
+  assert xla_flags.with_flags("", "--a=1", "--a=2") == "--a=1 --a=2"  # as given when absent
+  assert xla_flags.with_flags(text, "--xla_cpu_use_xnnpack=false", replace=True) == (
+      "--xla_dump_to=/tmp/x --xla_cpu_use_xnnpack=false")
+
+
+def test_without_flags_drops_every_setting_of_the_named_flags():
+  text = "--a=1 --b=2 --a=3 --c"
+  assert xla_flags.without_flags(text, "--a=0", "--c") == "--b=2"
+
+
+def test_apply_and_workarounds_write_the_given_environment():
+  environ = {"XLA_FLAGS": "--xla_cpu_use_xnnpack=true"}
+  xla_flags.apply_workarounds(environ)
+  assert environ == {"XLA_FLAGS": "--xla_cpu_use_xnnpack=true"}
+  environ = {}
+  xla_flags.apply_workarounds(environ)
+  xla_flags.apply("--xla_force_host_platform_device_count=2", environ=environ)
+  assert environ["XLA_FLAGS"] == ("--xla_cpu_use_xnnpack=false"
+                                  " --xla_force_host_platform_device_count=2")
