@@ -117,7 +117,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
 
   from lalte_jax.train import sharding  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.config import TrainConfig  # pylint: disable=import-outside-toplevel
-  from lalte_jax.train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.metrics import MetricsLogger, peak_memory_gib  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.trainer import Trainer, with_labels  # pylint: disable=import-outside-toplevel
 
   variant, _, size = preset.rpartition("-")
@@ -167,9 +167,8 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   peak_flops = trainer.peak_flops  # per device; None on CPU / unknown kinds without --peak_tflops
   result["mfu"] = (tokens_per_s * trainer.flops_per_token / (peak_flops * jax.device_count())
                    if peak_flops else None)
+  result["peak_memory_gib"] = peak_memory_gib(jax.local_devices()[:1])
   memory = jax.local_devices()[0].memory_stats() or {}
-  result["peak_memory_gib"] = (memory["peak_bytes_in_use"] / 2**30
-                               if "peak_bytes_in_use" in memory else None)
   result["memory_limit_gib"] = (memory["bytes_limit"] / 2**30 if "bytes_limit" in memory
                                 else None)  # what JAX may use: see --mem_fraction
   return result

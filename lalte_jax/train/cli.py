@@ -6,7 +6,8 @@ If a process dies the others abort (exit status 134) within --heartbeat_timeout_
 (default 100; lalte_jax/train/distributed.py).
 The run saves checkpoints in <output_dir>/checkpoints and resumes from the newest complete one
 when started again with the same output_dir (see lalte_jax/train/checkpointing.py); at the end it exports
-the parameters for inference into <output_dir>/export. SIGTERM or SIGINT (Ctrl-C) saves the
+the parameters for inference into <output_dir>/export (`--set save_checkpoints=false`: neither,
+only the metrics). SIGTERM or SIGINT (Ctrl-C) saves the
 current step and exits 0; running the same command again continues from there.
 Exit codes: 0 done (or stopped by a signal after saving), 2 bad input (a one-line error naming
 it: config file, field, value, path, flag; lalte_jax/cli_boundary.py), 3 stopped after too many
@@ -79,14 +80,19 @@ def main(argv: list[str] | None = None) -> int:
                                      heartbeat_timeout_seconds=args.heartbeat_timeout_s)
 
   import jax  # pylint: disable=import-outside-toplevel
-  from lalte_jax.train.checkpointing import RunCheckpoints  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.checkpointing import CHECKPOINT_DIR, RunCheckpoints  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.step import TooManySkippedSteps  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
     print(f"{config.model_name}: {jax.device_count()} devices on {jax.process_count()}"
           f" process(es), {config.steps} steps of {config.global_batch_size} x {config.seq_len}"
           f" tokens, output in {config.run_dir}", flush=True)
-  checkpoints = RunCheckpoints.for_run(config)
+  checkpoints = None
+  if config.save_checkpoints:
+    checkpoints = RunCheckpoints.for_run(config)
+  elif (pathlib.Path(config.run_dir) / CHECKPOINT_DIR).exists():  # its metrics would be cut
+    raise ValueError(f"TrainConfig.save_checkpoints: False, but {config.run_dir} holds a run's"
+                     " checkpoints; choose another output_dir")
   try:
     trainer = Trainer(config, checkpoints=checkpoints)
     try:
@@ -96,17 +102,21 @@ def main(argv: list[str] | None = None) -> int:
       print(f"error: {error}", file=sys.stderr)
       return 3
   finally:
-    checkpoints.close()  # waits for saves still being written
+    if checkpoints is not None:
+      checkpoints.close()  # waits for saves still being written
   if jax.process_index() == 0:
     if "stopped_at" in summary:
-      print(f"stopped by {summary['signal']} after step {summary['stopped_at']}; checkpoint"
-            f" {summary['checkpoint']}; run the same command again to resume", flush=True)
+      saved = (f"checkpoint {summary['checkpoint']}; run the same command again to resume"
+               if "checkpoint" in summary else "nothing saved (save_checkpoints=false)")
+      print(f"stopped by {summary['signal']} after step {summary['stopped_at']}; {saved}",
+            flush=True)
       return 0
     if "eval_recall_accuracy" in summary:
       print(f"held-out recall accuracy {summary['eval_recall_accuracy']:.3f} on"
             f" {summary['eval_scored_tokens']} queries", flush=True)
-    print(f"checkpoint: {summary['checkpoint']}\nexported parameters: {summary['export']}"
-          f" (python -m lalte_jax.generate --checkpoint {summary['export']} ...)", flush=True)
+    if "export" in summary:
+      print(f"checkpoint: {summary['checkpoint']}\nexported parameters: {summary['export']}"
+            f" (python -m lalte_jax.generate --checkpoint {summary['export']} ...)", flush=True)
   return 0
 
 

@@ -100,7 +100,7 @@ class TrainConfig:
   log_every: int = 10
   # Held-out evaluation (recall on synthetic tasks; loss, perplexity and bits per byte on a corpus's
   # validation data) on `eval_batches` micro-batches, every `eval_every` steps (and before the
-  # first step) when positive, and always at the end.
+  # first step) when positive, and always at the end; eval_batches=0 evaluates nothing.
   eval_every: int = 0
   eval_batches: int = 4
   tensorboard: bool = True
@@ -115,6 +115,9 @@ class TrainConfig:
   # for inference into <run_dir>/export in `export_dtype` (float32 = the master weights, lossless).
   checkpoint_every: int = 100
   checkpoint_keep: int = 3
+  # False: the run writes only its metrics (no checkpoint, no export) and resumes nothing, e.g.
+  # for benchmarks; the CLI then refuses an output_dir that holds checkpoints.
+  save_checkpoints: bool = True
   # Multi-process runs agree on a SIGTERM/SIGINT every `stop_check_every` steps (the agreement is a
   # collective that waits for the step in flight, so checking every step would stall dispatch).
   # One process checks its own flag every step.
@@ -146,7 +149,7 @@ class TrainConfig:
                  "global_batch_size", "grad_accum_steps", "steps", "warmup_steps", "lr",
                  "adam_eps", "clip_norm", "max_consecutive_skips", "lte_lambda_init",
                  "lte_lambda_min", "lte_lambda_max", "lte_alpha_up", "lte_alpha_down",
-                 "lte_update_every", "mesh_fsdp", "mesh_tensor", "log_every", "eval_batches"):
+                 "lte_update_every", "mesh_fsdp", "mesh_tensor", "log_every"):
       _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)!r}")
     _require(self.mqar_min_gap >= 0 and self.mqar_prefix_len >= 0, "mqar_min_gap",
              f"gap and prefix must be >= 0, got {self.mqar_min_gap}, {self.mqar_prefix_len}")
@@ -172,6 +175,8 @@ class TrainConfig:
     _require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
     _require(self.eval_every >= 0, "eval_every",
              f"must be >= 0 (0 = only at the end), got {self.eval_every}")
+    _require(self.eval_batches >= 0, "eval_batches",
+             f"must be >= 0 (0 = no evaluation), got {self.eval_batches}")
     _require(self.checkpoint_every >= 0, "checkpoint_every",
              f"must be >= 0 (0 = only at the end), got {self.checkpoint_every}")
     _require(self.stop_check_every > 0, "stop_check_every",

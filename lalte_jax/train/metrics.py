@@ -1,4 +1,4 @@
-"""Run metrics: a JSONL log, TensorBoard events, a progress bar with ETA, throughput and MFU.
+"""Run metrics: a JSONL log, TensorBoard events, a progress bar with ETA, throughput, MFU and memory.
 
 Only process 0 writes (`enabled=False` elsewhere). Scalars go to every sink (the progress bar
 shows `BAR_METRICS`, held-out ones until the next evaluation); per-LTE-layer/head
@@ -9,7 +9,8 @@ MFU = model FLOPs per second / (peak FLOP/s per device x devices), with model FL
 = 6 N + attention terms (forward + backward = 3x forward) and N the parameters that multiply
 activations (the embedding table counts only when it doubles as the LM head). Attention terms use
 the mean number of keys per query of each mixer; they are estimates of useful work (no remat,
-no masked-out blocks), the usual convention for MFU.
+no masked-out blocks), the usual convention for MFU. `peak_memory_gib` is the largest peak of the
+process's own devices (process 0's in a multi-process run, whose devices hold equal shards).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def peak_flops_per_device(device_kind: str, override_tflops: float = 0.0) -> flo
     if name.lower() in device_kind.lower():
       return flops
   return None  # CPU or unknown: MFU is not reported
+
+
+def peak_memory_gib(devices) -> float | None:
+  """The largest `peak_bytes_in_use` of `devices` since their process started, in GiB; None
+  where the backend keeps no memory statistics (CPU)."""
+  peaks = [(device.memory_stats() or {}).get("peak_bytes_in_use") for device in devices]
+  peaks = [peak for peak in peaks if peak is not None]
+  return max(peaks) / 2**30 if peaks else None
 
 
 # Shown on the progress bar: the training step's metrics, then the latest held-out evaluation's.

@@ -35,7 +35,7 @@ from lalte_jax.eval.perplexity import nll_metrics
 from lalte_jax.train import checkpointing, export, resume, sharding
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.metrics import (MetricsLogger, flops_per_token, format_metrics,
-                                     peak_flops_per_device)
+                                     peak_flops_per_device, peak_memory_gib)
 from lalte_jax.train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
                         masked_cross_entropy_sum, model_graphdef)
 from lalte_jax.train.watchdog import StepWatchdog
@@ -241,6 +241,9 @@ class Trainer:
           host = sharding.to_host(metrics)
           check_skipped_steps(host["skipped_consecutive"], step, config.max_consecutive_skips)
           host.update(self._throughput(interval_steps, time.perf_counter() - interval_start))
+          memory_gib = peak_memory_gib(jax.local_devices())
+          if memory_gib is not None:
+            host["peak_memory_gib"] = memory_gib
           evaluation = self.evaluate() if evaluate_now else None
           self._log_evaluation(step, {**host, **(evaluation or {})}, evaluation)
           interval_start, interval_steps = time.perf_counter(), 0
@@ -286,10 +289,11 @@ class Trainer:
     labelled positions predicted exactly, as `lalte_jax.data.score_recall`) and the CE on those
     positions. A corpus (a source with `bytes_per_token`): the next-token CE `eval_loss` (nats)
     and its perplexity and bits per byte (`lalte_jax.eval.perplexity.nll_metrics`, the bytes
-    being the scored tokens times the split's mean bytes per token). {} without an eval source."""
+    being the scored tokens times the split's mean bytes per token). {} without an eval source
+    or with `eval_batches` 0."""
     config = self.config
     source = self.eval_source
-    if source is None:
+    if source is None or config.eval_batches == 0:
       return {}
     rows = min(config.micro_batch_size, len(source))
     rows -= rows % max(sharding.batch_devices(self.mesh), jax.process_count())
