@@ -10,7 +10,8 @@ Every case is `python -m lalte_jax.train` on synthetic MQAR data (the preset's v
 on the fly), `--batch-per-gpu` sequences of `--seq-len` tokens per GPU (global batch = that x N),
 one metrics record per step, no evaluation, checkpoint or export (`save_checkpoints=false`), a
 mesh of data=1 x fsdp=N (parameters, AdamW moments and batch split over all N GPUs). Per preset
-and GPU count N (those of `--gpus` up to the visible GPUs):
+and GPU count N (those of `--gpus` up to the visible GPUs; every preset's 1-GPU run first, then
+every preset at the largest N, then the next smaller N, so that a short budget keeps the ends):
 - "multi": N processes on localhost, process i on GPU i alone (CUDA_VISIBLE_DEVICES), joined by
   `jax.distributed` through the trainer's `--coordinator_address/--num_processes/--process_id`
   (lalte_jax/train/distributed.py) on a free port: the multi-host code path, NCCL between them;
@@ -20,7 +21,8 @@ after the first `--warmup` (the first compiles; each step's time ends with its m
 host), `mfu` (the trainer's: `lalte_jax.train.metrics.flops_per_token` over the datasheet peak of
 the device kind, per GPU; absent on CPU unless `--peak-tflops`), and `peak_memory_gib` (the
 largest peak of process 0's devices). Derived: tokens/s, tokens/s per GPU, scaling efficiency
-tokens/s(N) / (N x tokens/s of the 1-GPU run), and for "multi" the largest |loss difference| from
+tokens/s(N) / (N x tokens/s of the 1-GPU run; of the fewest GPUs that ran when 1 GPU was out of
+memory), and for "multi" the largest |loss difference| from
 "single" at the same N (expected <= `--tolerance`: the trainer puts the rows in stream order, so
 both see the same global batch).
 
@@ -303,14 +305,16 @@ def step_metrics(records: list[dict], warmup: int, tokens_per_step: int, gpus: i
 
 
 def add_comparisons(cases: list[dict], tolerance: float) -> None:
-  """Scaling efficiency against each preset's 1-GPU run, and multi's losses against single's."""
-  def find(preset, mode, gpus):
-    return next((c for c in cases if (c["preset"], c["mode"], c["gpus"]) == (preset, mode, gpus)
-                 and c.get("tokens_per_s")), None)
+  """Scaling efficiency against each preset's single-process run on the fewest GPUs that ran
+  (1 unless it was out of memory: `efficiency_base_gpus`), multi's losses against single's."""
   for case in cases:
-    base = find(case["preset"], "single", 1)
+    bases = [c for c in cases if c["preset"] == case["preset"] and c["mode"] == "single"
+             and c.get("tokens_per_s")]
+    base = min(bases, key=lambda c: c["gpus"], default=None)
     if base and case.get("tokens_per_s"):
-      case["scaling_efficiency"] = case["tokens_per_s"] / (case["gpus"] * base["tokens_per_s"])
+      case["efficiency_base_gpus"] = base["gpus"]
+      case["scaling_efficiency"] = (case["tokens_per_s"] * base["gpus"]
+                                    / (case["gpus"] * base["tokens_per_s"]))
     single = next((c for c in cases if (c["preset"], c["mode"], c["gpus"])
                    == (case["preset"], "single", case["gpus"]) and c.get("losses")), None)
     if case["mode"] == "multi" and single and case.get("losses"):
@@ -396,13 +400,13 @@ class Report:
 
 
 def case_plan(args: argparse.Namespace, visible: int) -> list[tuple[str, str, int]]:
-  """(preset, mode, GPUs) in running order: per preset the 1-GPU baseline first, then each
-  larger count, multi before single."""
+  """(preset, mode, GPUs) in running order, so that a budget that runs out leaves the most
+  telling cases done: every preset's 1-GPU baseline, then every preset at the largest count,
+  then at the next smaller one...; multi before single."""
+  counts = sorted({gpus for gpus in args.gpus if gpus <= visible})
   plan = []
-  for preset in args.presets:
-    for gpus in sorted(set(args.gpus)):
-      if gpus > visible:
-        continue
+  for gpus in counts[:1] + counts[:0:-1]:
+    for preset in args.presets:
       for mode in ("multi", "single"):
         if mode in args.modes and not (gpus == 1 and mode == "multi"):
           plan.append((preset, mode, gpus))

@@ -25,7 +25,9 @@
 #   gdn        GDN against FLA at shapes 0 and 1 of tools/compare_fla.py (~6-9 min)
 #   gdn23      GDN against FLA at shapes 3 and 2 (~6-9 min)
 #   study      the capacity study, resumable across runs (tools/study_gpu.sh, ~9 min)
-#   multigpu   several GPUs of one host: kernels per shard, FSDP scaling of the 0.4b step
+#   multigpu   several GPUs of one host: FSDP scaling of the training step over 1, 2, 4 GPUs as N
+#              processes and as one process, a resume on fewer processes, then the kernels per
+#              shard (~9 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
 usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
@@ -165,14 +167,19 @@ case "$stage" in
     bash tools/study_gpu.sh "$dest"
     ;;
   multigpu)
-    # Pallas kernels inside shard_map on real GPUs (lalte_jax/sharding.py), then the 0.4b step on
-    # one GPU and with the batch and parameters split over all of them (same per-GPU batch).
+    # The trainer over 1, 2 and 4 GPUs (N processes and one process, 4 sequences of 4096 per GPU,
+    # lalte-0.4b, gdn_swa-0.4b, lalte-1.4b as far as SCALING_S seconds reach; the tool skips what
+    # cannot finish and writes its JSON after every case), a 0.4b checkpoint of 4 processes
+    # resumed on 2 and 1, then the Pallas kernels inside shard_map (lalte_jax/sharding.py).
+    scaling_s=${SCALING_S:-480}
+    if ((budget_s > 0)); then
+      left=$((budget_s - ($(date +%s) - start) - 30))
+      ((left < scaling_s)) && scaling_s=$left
+      ((scaling_s < 1)) && scaling_s=1
+    fi
+    step $((scaling_s + 30)) python3 tools/bench_scaling.py --budget-s "$scaling_s" \
+      --reshard lalte-0.4b --reshard-seq-len 1024 --out "$dest/runs" --json "$dest/scaling.json"
     step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
-    step 150 env CUDA_VISIBLE_DEVICES=0 python3 tools/bench_train.py --presets lalte-0.4b \
-      gdn_swa-0.4b --batch 4 --steps 3 --warmup 1 --json "$dest/train_1gpu.json"
-    n=$(nvidia-smi -L | wc -l)
-    step 200 python3 tools/bench_train.py --presets lalte-0.4b gdn_swa-0.4b --batch 4 \
-      --mesh_fsdp "$n" --steps 3 --warmup 1 --json "$dest/train_fsdp.json"  # --batch is per GPU
     ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"

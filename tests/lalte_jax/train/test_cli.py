@@ -93,6 +93,10 @@ TRAIN_BAD_INPUTS = {
                            "process id None must be given"),
     "checkpoints but resume=false": (["--set", "output_dir={tmp}/done", "--set", "resume=false"],
                                      "holds checkpoints (steps [3]) but resume=False"),
+    "checkpoints but save_checkpoints=false": (
+        ["--set", "output_dir={tmp}/done", "--set", "save_checkpoints=false"],
+        "TrainConfig.save_checkpoints: False, but {tmp}/done holds a run's checkpoints"),
+    "negative eval_batches": (["--set", "eval_batches=-1"], "TrainConfig.eval_batches"),
 }
 
 

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from lalte_jax.train.config import TrainConfig, apply_overrides, load_config
-from lalte_jax.train.metrics import MetricsLogger, flops_per_token
+from lalte_jax.train.metrics import MetricsLogger, flops_per_token, peak_memory_gib
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "lalte_jax" / "configs"
 
@@ -50,6 +50,21 @@ def test_flops_estimate_is_dominated_by_6n():
   config = TrainConfig(variant="lalte", size="0.4b", seq_len=4096).model_config()
   flops = flops_per_token(config, 4096)
   assert 6 * 3.4e8 < flops < 6 * 3.4e8 * 1.6  # 360M params, of which 33M tied embedding
+
+
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_peak_memory_is_the_largest_device_peak_where_known():
+  devices = [_Device({"peak_bytes_in_use": 2**30}), _Device(None),
+             _Device({"peak_bytes_in_use": 3 * 2**29, "bytes_in_use": 2**31})]
+  assert peak_memory_gib(devices) == 1.5
+  assert peak_memory_gib([_Device(None), _Device({})]) is None  # CPU: no statistics
 
 
 def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
