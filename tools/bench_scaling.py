@@ -66,7 +66,7 @@ from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
 
 xla_flags.apply_workarounds()  # children inherit the environment
 
-from bench_train import is_out_of_memory  # pylint: disable=wrong-import-position
+from bench_train import is_out_of_memory, table_cell  # pylint: disable=wrong-import-position
 
 DEFAULT_PRESETS = "lalte-0.4b,gdn_swa-0.4b,lalte-1.4b"
 # The trainer's multi-process settings are flags; variables left in the environment would make a
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--presets", default=DEFAULT_PRESETS,
                       help="comma-separated '<variant>-<size>' names (lalte_jax.presets)")
   parser.add_argument("--gpus", type=_int_list, default=[1, 2, 4],
-                      help="GPU counts (comma-separated); counts above the visible GPUs are skipped")
+                      help="GPU counts (comma-separated); those above the visible GPUs are skipped")
   parser.add_argument("--modes", default="multi,single", help="multi, single or both")
   parser.add_argument("--batch-per-gpu", type=int, default=4)
   parser.add_argument("--seq-len", type=int, default=4096)
@@ -326,21 +326,18 @@ def add_comparisons(cases: list[dict], tolerance: float) -> None:
         case["losses_match_single"] = False
 
 
-def _cell(value, fmt: str) -> str:
-  return "-" if value is None else format(value, fmt)
-
-
 def markdown_table(cases: list[dict]) -> str:
   lines = ["| preset | mode | GPUs | status | step s | tokens/s | tokens/s/GPU | efficiency |"
            " MFU | peak GiB | max loss diff |", "|" + "---|" * 11]
   for c in cases:
     lines.append(
         f"| {c['preset']} | {c['mode']} | {c['gpus']} | {c['status']} |"
-        f" {_cell(c.get('step_time_s'), '.3f')} | {_cell(c.get('tokens_per_s'), ',.0f')} |"
-        f" {_cell(c.get('tokens_per_s_per_gpu'), ',.0f')} |"
-        f" {_cell(c.get('scaling_efficiency'), '.1%')} | {_cell(c.get('mfu'), '.1%')} |"
-        f" {_cell(c.get('peak_memory_gib'), '.1f')} |"
-        f" {_cell(c.get('loss_max_abs_diff_vs_single'), '.2e')} |")
+        f" {table_cell(c.get('step_time_s'), '.3f')} |"
+        f" {table_cell(c.get('tokens_per_s'), ',.0f')} |"
+        f" {table_cell(c.get('tokens_per_s_per_gpu'), ',.0f')} |"
+        f" {table_cell(c.get('scaling_efficiency'), '.1%')} | {table_cell(c.get('mfu'), '.1%')} |"
+        f" {table_cell(c.get('peak_memory_gib'), '.1f')} |"
+        f" {table_cell(c.get('loss_max_abs_diff_vs_single'), '.2e')} |")
   return "\n".join(lines)
 
 
@@ -508,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
       case = run_case(groups, args, budget, devices, preset, mode, gpus)
       report.add(case)
       print(f"{preset} {mode} x{gpus}: {case['status']}"
-            f" {_cell(case.get('tokens_per_s'), ',.0f')} tokens/s"
+            f" {table_cell(case.get('tokens_per_s'), ',.0f')} tokens/s"
             f" {case.get('error', '')}".rstrip(), flush=True)
     if args.reshard:
       if args.reshard_from > len(devices):
@@ -526,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
   reshard = report.data["reshard"]
   if reshard:
     print(f"reshard {reshard['preset']}: {reshard['status']}, largest |loss difference|"
-          f" {_cell(reshard.get('loss_max_abs_diff'), '.2e')} after resuming step"
+          f" {table_cell(reshard.get('loss_max_abs_diff'), '.2e')} after resuming step"
           f" {args.reshard_steps[0]} of {args.reshard_from} processes on"
           f" {args.reshard_to} processes")
   failed = [c for c in report.data["cases"] if c["status"] not in ("ok", "oom", "skipped")]

@@ -206,7 +206,7 @@ def run_in_child(preset: str, args: argparse.Namespace, argv: list[str]) -> dict
           "error": f"child exited with status {done.returncode}: {tail.strip()[-500:]}"}
 
 
-def _cell(value, fmt: str) -> str:
+def table_cell(value, fmt: str) -> str:
   return "-" if value is None else format(value, fmt)
 
 
@@ -217,9 +217,10 @@ def markdown_table(results: list[dict]) -> str:
     lines.append(
         f"| {r['preset']} | {r['status']} | {r.get('seq_len', '-')} |"
         f" {r.get('batch_per_device', '-')} x {r.get('grad_accum', '-')} | {r.get('remat', '-')} |"
-        f" {_cell(r.get('step_time_s'), '.3f')} | {_cell(r.get('tokens_per_s'), ',.0f')} |"
-        f" {_cell(r.get('mfu'), '.1%')} | {_cell(r.get('peak_memory_gib'), '.1f')} |"
-        f" {_cell(r.get('compile_s'), '.1f')} |")
+        f" {table_cell(r.get('step_time_s'), '.3f')} |"
+        f" {table_cell(r.get('tokens_per_s'), ',.0f')} |"
+        f" {table_cell(r.get('mfu'), '.1%')} | {table_cell(r.get('peak_memory_gib'), '.1f')} |"
+        f" {table_cell(r.get('compile_s'), '.1f')} |")
   return "\n".join(lines)
 
 

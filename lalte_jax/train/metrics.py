@@ -1,4 +1,4 @@
-"""Run metrics: a JSONL log, TensorBoard events, a progress bar with ETA, throughput, MFU and memory.
+"""Run metrics: a JSONL log, TensorBoard events, a progress bar with ETA, throughput, MFU, memory.
 
 Only process 0 writes (`enabled=False` elsewhere). Scalars go to every sink (the progress bar
 shows `BAR_METRICS`, held-out ones until the next evaluation); per-LTE-layer/head
