@@ -31,7 +31,8 @@ as `--reshard-from` processes, with a checkpoint at step K; that checkpoint is c
 run, which resumes it as each count of `--reshard-to` processes (one GPU each) and trains steps
 K+1..K+M; their losses must equal the uninterrupted run's within `--reshard-tolerance` (Orbax
 reads the state onto the new mesh, the data position is global: lalte_jax/train/checkpointing.py).
-The global batch stays `--batch-per-gpu` x `--reshard-from`.
+The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype is
+`--reshard-dtype` (float32 by default, so that the tolerance measures the restore, not rounding).
 
 Budget: with `--budget-s`, a case starts only when the longest case of its preset so far (of any
 preset before the first one finishes) fits in what is left, and every case is stopped at the
@@ -120,6 +121,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="process counts that resume the checkpoint")
   parser.add_argument("--reshard-seq-len", type=int, default=0, help="0 = --seq-len")
   parser.add_argument("--reshard-tolerance", type=float, default=1e-5)
+  parser.add_argument("--reshard-dtype", default="float32", choices=("bfloat16", "float32"),
+                      help="compute dtype of the resume check (float32: rounding differences"
+                           " between meshes stay far below the tolerance)")
   args = parser.parse_args(argv)
   args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
   args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
@@ -440,12 +444,13 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   seq_len = args.reshard_seq_len or args.seq_len
   global_batch = args.batch_per_gpu * args.reshard_from
   result = {"preset": preset, "checkpoint_step": k, "steps_after": m, "seq_len": seq_len,
+            "dtype": args.reshard_dtype,
             "global_batch": global_batch, "from_processes": args.reshard_from,
             "tolerance": args.reshard_tolerance, "runs": []}
   out = pathlib.Path(args.out) / f"reshard_{preset}"
   shutil.rmtree(out, ignore_errors=True)
 
-  def run(name: str, processes: int, extra: list[str]) -> dict | None:
+  def run(name: str, processes: int) -> dict | None:
     timeout_s = budget.timeout_s(f"reshard {preset}")
     if timeout_s is None:
       result["runs"].append({"name": name, "status": "skipped"})
@@ -453,7 +458,8 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
     run_dir = out / name
     settings = trainer_settings(args, preset, gpus=processes, global_batch=global_batch,
                                 seq_len=seq_len, steps=k + m, run_dir=run_dir)
-    settings += ["save_checkpoints=true", f"checkpoint_every={k}", "checkpoint_keep=10", *extra]
+    settings += ["save_checkpoints=true", f"checkpoint_every={k}", "checkpoint_keep=10",
+                 f"model_dtype={args.reshard_dtype}"]
     outcome = run_trainer(groups, args, run_dir, settings, processes=processes,
                           devices=devices[:processes], timeout_s=timeout_s)
     budget.record(f"reshard {preset}", outcome["wall_s"])
@@ -462,7 +468,7 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
     result["runs"].append(outcome)
     return outcome if outcome["status"] == "ok" else None
 
-  reference = run(f"{args.reshard_from}_processes", args.reshard_from, [])
+  reference = run(f"{args.reshard_from}_processes", args.reshard_from)
   if reference is None:
     result["status"] = "error"
     return result
@@ -473,7 +479,7 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
     # Only step K: the resumed run starts from the newest checkpoint it finds.
     shutil.copytree(source, run_dir / "checkpoints", ignore=lambda folder, names: [
         name for name in names if folder == str(source) and name.isdigit() and int(name) != k])
-    resumed = run(run_dir.name, processes, [])
+    resumed = run(run_dir.name, processes)
     if resumed is None:
       continue
     steps = sorted(resumed["losses"])
