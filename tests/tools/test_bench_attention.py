@@ -1,23 +1,12 @@
 """tools/bench_attention.py: the ratio bookkeeping (CPU; the benchmark itself needs a GPU)."""
 
-import importlib.util
 import json
-import pathlib
 
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load_module():
-  spec = importlib.util.spec_from_file_location("bench_attention",
-                                                REPO / "tools" / "bench_attention.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from tests.tools import load_tool
 
 
 def test_ratios_use_the_paired_anchor_time_when_there_is_one(tmp_path):
-  bench = _load_module()
+  bench = load_tool("bench_attention")
   results = {}
   bench.record(results, ("B8 T4096", "cuDNN SWA-1024", "fwd"), 2.0, "cuDNN SWA-1024")
   bench.record(results, ("B8 T4096", "ours paired", "fwd"), 3.0, "cuDNN SWA-1024", 1.5)
@@ -29,7 +18,7 @@ def test_ratios_use_the_paired_anchor_time_when_there_is_one(tmp_path):
 
 
 def test_only_selects_by_substring_or_exact_name():
-  bench = _load_module()
+  bench = load_tool("bench_attention")
   names = list(bench.jax_variants())
   prefill = "ours LTE prefill (769 + 256 kept)"
   assert [n for n in names if bench.selected(n, ["=" + prefill])] == [prefill]

@@ -1,29 +1,15 @@
 """tools/bench_decode_attention.py: the looped timing computes the calls it claims (CPU)."""
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load_module():
-  sys.path.insert(0, str(REPO / "tools"))
-  spec = importlib.util.spec_from_file_location("bench_decode_attention",
-                                                REPO / "tools" / "bench_decode_attention.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from tests.tools import load_tool
 
 
 def test_looped_call_chains_every_decode_call_of_every_round():
   """rounds x sets decode calls, each query chained to the previous output: the result equals the
   same chain written out call by call, and the looped copy adds 1 once per round."""
-  bench = _load_module()
+  bench = load_tool("bench_decode_attention")
   inputs, _ = bench.attention_case("lalte-0.4b", 1, 2, jax.random.key(3))
   rounds = 3
   looped = bench.looped_timed(inputs, "xla", None, rounds)

@@ -1,28 +1,16 @@
 """tools/bench_nsa.py --smoke: the whole benchmark (parity, training timings, decode bandwidth) on
 tiny shapes in interpret mode, so that the GPU run's code paths are exercised on CPU."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load_module():
-  spec = importlib.util.spec_from_file_location("bench_nsa", REPO / "tools" / "bench_nsa.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-  spec.loader.exec_module(module)
-  return module
+from tests.tools import load_tool
 
 
 @pytest.mark.slow
 def test_smoke_run_reports_every_part(tmp_path, capsys):
   path = tmp_path / "nsa.json"
-  assert _load_module().main(["--smoke", "--json", str(path)]) == 0
+  assert load_tool("bench_nsa").main(["--smoke", "--json", str(path)]) == 0
   result = json.loads(path.read_text())
   modes = [(row["kind"], row.get("mode")) for row in result["rows"]]
   assert modes == [("train", "fwd"), ("train", "fwd+bwd"), ("decode", None)]

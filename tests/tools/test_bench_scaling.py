@@ -2,23 +2,16 @@
 against one process of two), the resume of a 2-process checkpoint on 1 process, and the planning
 and comparisons that the GPU run relies on."""
 
-import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
+from tests.tools import load_tool
 from tests.child_processes import DISTRIBUTED_ENV, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "bench_scaling.py"
-
-
-def _load_module():
-  spec = importlib.util.spec_from_file_location("bench_scaling", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.mark.slow
@@ -61,7 +54,7 @@ def test_two_processes_match_one_and_a_checkpoint_resumes_on_fewer(tmp_path, chi
 
 
 def test_plan_skips_missing_gpus_and_always_has_the_baseline():
-  bench = _load_module()
+  bench = load_tool("bench_scaling")
   args = bench.parse_args(["--presets", "a-tiny,b-tiny", "--gpus", "1,2,4", "--modes", "multi"])
   assert bench.case_plan(args, visible=2) == [
       ("a-tiny", "single", 1), ("b-tiny", "single", 1), ("a-tiny", "multi", 2),
@@ -71,7 +64,7 @@ def test_plan_skips_missing_gpus_and_always_has_the_baseline():
 
 
 def test_budget_skips_a_case_that_cannot_finish():
-  bench = _load_module()
+  bench = load_tool("bench_scaling")
   budget = bench.Budget(total_s=100.0, case_timeout_s=600.0)
   assert budget.timeout_s("a-tiny") == pytest.approx(100.0, abs=1.0)  # nothing known: it may run
   budget.record("a-tiny", 250.0)
@@ -82,7 +75,7 @@ def test_budget_skips_a_case_that_cannot_finish():
 
 
 def test_comparisons_flag_differing_losses():
-  bench = _load_module()
+  bench = load_tool("bench_scaling")
   cases = [{"preset": "p", "mode": "single", "gpus": 1, "tokens_per_s": 100.0, "losses": [2.0]},
            {"preset": "p", "mode": "single", "gpus": 2, "tokens_per_s": 180.0,
             "losses": [1.0, 0.5]},

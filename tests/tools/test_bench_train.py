@@ -1,23 +1,16 @@
 """tools/bench_train.py: a CPU smoke run of a tiny preset through the default child-process path,
 and the out-of-memory classification and command-line plumbing it relies on."""
 
-import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
+from tests.tools import load_tool
 from tests.child_processes import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "bench_train.py"
-
-
-def _load_module():
-  spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.mark.slow
@@ -42,7 +35,7 @@ def test_tiny_preset_runs_and_reports(tmp_path, children):
 
 
 def test_out_of_memory_is_recognised_and_reported(monkeypatch):
-  bench = _load_module()
+  bench = load_tool("bench_train")
   assert bench.is_out_of_memory(RuntimeError(
       "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 81.2GiB."))
   assert not bench.is_out_of_memory(ValueError("TrainConfig.size: 'huge' is not one of ..."))
@@ -57,7 +50,7 @@ def test_out_of_memory_is_recognised_and_reported(monkeypatch):
 
 
 def test_children_get_the_flags_but_one_preset():
-  bench = _load_module()
+  bench = load_tool("bench_train")
   argv = ["--presets", "a-tiny", "b-tiny", "--batch", "2", "--json", "x.json", "--remat=dots",
           "--in_process"]
   assert bench._argv_without_presets(argv) == ["--batch", "2", "--remat=dots"]  # pylint: disable=protected-access

@@ -1,18 +1,14 @@
 """tools/compare_torch.py without PyTorch: its configs export to the authors' format, and its
 kept-token comparison notices a different kept token or count."""
 
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
 
 from lalte_jax.convert import hf_config
+from tests.tools import load_tool
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "tools" / "compare_torch.py"
-spec = importlib.util.spec_from_file_location("compare_torch", SCRIPT)
-compare_torch = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare_torch)
+compare_torch = load_tool("compare_torch")
 
 
 @pytest.mark.parametrize("variant", compare_torch.VARIANTS)

@@ -1,24 +1,14 @@
 """tools/repro.py and its helpers: the plan, skipping finished runs, the report's checks, packing
 the state for another machine, and one smoke run that resumes a partly trained run."""
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
+from tests.tools import load_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def load_tool(name):
-  if str(ROOT / "tools") not in sys.path:  # the tools import each other by name
-    sys.path.insert(0, str(ROOT / "tools"))
-  spec = importlib.util.spec_from_file_location(f"_tool_{name}", ROOT / "tools" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def fake_record(model, lr, seed=0, pairs=96, steps=2000, select=50.0, test=None, lte=False):
