@@ -51,7 +51,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,10 +68,9 @@ xla_flags.apply_workarounds()  # children inherit the environment
 
 from bench_train import is_out_of_memory, table_cell  # pylint: disable=wrong-import-position
 
+from lalte_jax.train import distributed  # pylint: disable=wrong-import-position
+
 DEFAULT_PRESETS = "lalte-0.4b,gdn_swa-0.4b,lalte-1.4b"
-# The trainer's multi-process settings are flags; variables left in the environment would make a
-# "single" case join a job.
-DISTRIBUTED_VARIABLES = ("LALTE_COORDINATOR_ADDRESS", "LALTE_NUM_PROCESSES", "LALTE_PROCESS_ID")
 LOG_TAIL_CHARS = 2000
 
 
@@ -164,12 +162,6 @@ def visible_gpus(platform: str, wanted: int) -> list[str]:
           if line.startswith("GPU ")]
 
 
-def free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("localhost", 0))
-    return sock.getsockname()[1]
-
-
 class ProcessGroups:
   """Children in their own process groups (each with what it starts); `close()` SIGKILLs every
   group still alive, also when its leader has exited."""
@@ -199,7 +191,7 @@ def _raise_exit(signum, frame):
 
 def child_env(platform: str, devices: list[str], timeout_s: float) -> dict[str, str]:
   """The environment of one trainer process on `devices` (GPU ids, or CPU devices counted)."""
-  env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_VARIABLES}
+  env = {name: value for name, value in os.environ.items() if name not in distributed.ENV_PROCESS_SETTINGS}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
   # Every process joins, and compiles a step, within this of the others.
   env["LALTE_INIT_TIMEOUT_S"] = str(max(60, int(timeout_s)))
@@ -236,7 +228,7 @@ def run_trainer(groups: ProcessGroups, args: argparse.Namespace, run_dir: pathli
   command = [sys.executable, "-m", "lalte_jax.train", "--config", "tiny_mqar"]
   for setting in settings:
     command += ["--set", setting]
-  port = free_port()
+  port = distributed.free_port()
   per_process = len(devices) // processes
   started, procs = time.monotonic(), []
   for index in range(processes):

@@ -36,6 +36,7 @@ not. So every process compiles a step before running it and then waits for the o
 from __future__ import annotations
 
 import os
+import socket
 
 import jax
 
@@ -46,6 +47,16 @@ ENV_HEARTBEAT_TIMEOUT = "LALTE_HEARTBEAT_TIMEOUT_S"
 ENV_INIT_TIMEOUT = "LALTE_INIT_TIMEOUT_S"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 DEFAULT_INIT_TIMEOUT_S = 300
+
+# The settings a launched process reads (tools/bench_scaling.py clears them for one-process runs).
+ENV_PROCESS_SETTINGS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+
+def free_port() -> int:
+  """A TCP port on localhost that is free now, for the coordinator of processes on one host."""
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
 
 
 def _int_setting(value: int | None, env_name: str, argument: str, default: int | None

@@ -9,7 +9,6 @@ a fresh coordinator port per run. Losses come from the JSONL metrics log that pr
 import json
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from lalte_jax.train import distributed
 from tests.child_processes import DISTRIBUTED_ENV, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -30,11 +30,6 @@ COMMON_SETTINGS = ("model_dtype=float32", "seq_len=64", "global_batch_size=8", "
                    "step_timeout_s=600")
 COMPARED_METRICS = ("loss", "ce_loss", "grad_norm", "lte_retained")
 
-
-def _free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("localhost", 0))
-    return sock.getsockname()[1]
 
 
 def _launch(children, run_dir: pathlib.Path, settings: list[str], *, devices: int,
@@ -81,7 +76,7 @@ def _records(run_dir: pathlib.Path) -> list[dict]:
 def test_two_processes_give_the_losses_of_one(tmp_path, children):
   num_steps = 3
   settings = [f"steps={num_steps}", "grad_accum_steps=2"]
-  port = _free_port()
+  port = distributed.free_port()
   single_dir, multi_dir = tmp_path / "one_process", tmp_path / "two_processes"
   procs = [(_launch(children, single_dir, settings, devices=4), single_dir)]
   procs += [(_launch(children, multi_dir, settings, devices=2, process_id=i, port=port),
@@ -104,7 +99,7 @@ def test_two_processes_give_the_losses_of_one(tmp_path, children):
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker_dies", "coordinator_dies"])
 def test_survivor_exits_when_a_process_dies(tmp_path, victim, children):
   heartbeat_timeout_s, bound_s = 10, 60
-  port = _free_port()
+  port = distributed.free_port()
   # Any model shows the failure; plain GDN compiles fastest.
   procs = [_launch(children, tmp_path, ["variant=gdn", "steps=100000", "grad_accum_steps=1"],
                    devices=2, process_id=i, port=port,
@@ -149,7 +144,7 @@ print("TOTAL", float(sharding.to_host(total(rows))), flush=True)
 @pytest.mark.slow
 def test_first_step_waits_for_a_process_that_compiles_late(children):
   env = child_env(devices=1, **DISTRIBUTED_ENV)
-  port = _free_port()
+  port = distributed.free_port()
   procs = [children.start([sys.executable, "-c", LATE_PROCESS, str(i), str(port), str(LATE_S)],
                           env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True) for i in (0, 1)]

@@ -9,13 +9,13 @@ multi-process children take their distributed timeouts from `DISTRIBUTED_ENV`
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from lalte_jax.train import distributed
 from tests.child_processes import DISTRIBUTED_ENV, child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -79,15 +79,10 @@ def _results(proc: subprocess.Popen) -> dict:
   return json.loads(line[len("RESULTS "):])
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_sharded_and_multiprocess_steps_equal_single_device(children):
-  port = _free_port()
+  port = distributed.free_port()
   procs = [_start(children, 4)] + [_start(children, 2, process_id, port)
                                    for process_id in (0, 1)]
   results, *per_process = [_results(proc) for proc in procs]
