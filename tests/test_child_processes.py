@@ -67,5 +67,11 @@ def test_interrupting_a_test_run_kills_its_children(signum, tmp_path):
     child = int(pid_file.read_text())
     assert not _gone(child, timeout=0.2)
     run.send_signal(signum)
-    output, _ = run.communicate(timeout=60)
+    try:
+      output, _ = run.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+      # Still running: SIGABRT makes pytest's faulthandler print every thread's stack first.
+      run.send_signal(signal.SIGABRT)
+      output, _ = run.communicate(timeout=60)
+      pytest.fail(f"the run did not end within 120 s of the signal; its output:\n{output}")
     assert _gone(child), output

@@ -2,11 +2,12 @@
 
     python tools/bench_decode.py                      # 1.4b laLTE, GDN+SWA, GDN+Attn; B=32; 1K..64K
     python tools/bench_decode.py --presets lalte-tiny gdn_attn-tiny --contexts 64 128 --batch 2
+    python tools/bench_decode.py --presets lansa-1.4b lansa-0.4b --contexts 4096 16384 65536
 
 Random weights. For each preset and context length L the cache is set directly to the state after
 L tokens instead of running a prefill (a 64K prefill of full attention at batch 32 is not what is
-measured): the GDN states and the SWA / LTE rings are full, full attention holds L keys, and the
-LTE out-of-window set is half full (b/2 kept keys per head, as the paper's kernel benchmark). Cache
+measured): the GDN states and the SWA / LTE rings are full, full attention and NSA hold L keys
+(NSA also the means of the L / 64 complete blocks), and the LTE out-of-window set is half full (b/2 kept keys per head, as the paper's kernel benchmark). Cache
 values are constants or random numbers; no step's cost depends on them.
 
 Reports the median wall time of `--steps` decode steps (one token for each of the B rows, the whole
@@ -48,9 +49,11 @@ def synthetic_layer_cache(kind: str, config, layer_cache, context: int, key: jax
                     conv_k_BKC=filled(layer_cache.conv_k_BKC, 0.01),
                     conv_v_BKC=filled(layer_cache.conv_v_BKC, 0.01),
                     state_BHKV=filled(layer_cache.state_BHKV, 0.001))
-  if kind == "attention":
-    # SWA ring (full once context >= window) or full cache (first L slots valid): the zeros of
-    # init_cache serve as keys; a filled copy would double the peak memory of a 64K cache.
+  if kind in ("attention", "nsa"):
+    # SWA ring (full once context >= window), full cache (first L slots valid) or NSA's keys and
+    # block means: the zeros of init_cache serve as keys (a step's cost does not depend on them;
+    # NSA always selects block_count blocks); a filled copy would double the peak memory of a
+    # 64K cache.
     return layer_cache
   if kind == "lte":
     lte = config.lte

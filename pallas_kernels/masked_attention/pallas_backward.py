@@ -1,8 +1,8 @@
 """Key-tile-major Pallas kernels of masked attention: dk and dv.
 
 Window kernel: one program per (key tile, batch, KV head); for each of the KV head's G query heads
-it loops over the query tiles that see the tile through their window (masked edge, unmasked
-interior, masked edge), so the G heads' contributions add up in registers.
+(a loop) it loops over the query tiles that see the tile through their window (masked edge,
+unmasked interior, masked edge), so the G heads' contributions add up in registers.
 Kept-list kernel: one program per (list tile, batch, KV head); it loops over every query tile late
 enough for the tile's oldest entry to be outside its window, counting a (query, entry) pair only
 when the entry is outside that query's window (the complement of the window kernel's pairs).
@@ -40,6 +40,15 @@ def _accumulate(problem, block_q, k, v, q_ref, do_ref, lse_ref, delta_ref, head,
   return dkdv_step(dk, dv, p, q, do, v, delta)
 
 
+def _over_heads(problem: Problem, one_head, k_shape, v_shape):
+  """float32 (dk, dv) summed over the G query heads of the program's KV head by
+  one_head(head, (dk, dv)). A loop, not a Python unroll: with G = 16 (NSA's window branch)
+  unrolled loops made this kernel's Triton IR ~10x larger than any other and its compile take
+  minutes."""
+  zeros = (jnp.zeros(k_shape, jnp.float32), jnp.zeros(v_shape, jnp.float32))
+  return lax.fori_loop(0, problem.group, one_head, zeros)
+
+
 def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   key_valid_ref = refs[6] if problem.has_key_valid else None
@@ -52,14 +61,14 @@ def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):
       problem, k_start, block_q, block_k)
   mask_fn = lambda query_pos: window_mask(problem, query_pos, key_pos, key_valid)
 
-  carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  for head in range(problem.group):  # static: the G query heads of this KV head
+  def one_head(head, carry):
     step = functools.partial(_accumulate, problem, block_q, k, v, q_ref, do_ref, lse_ref,
                              delta_ref, head)
     carry = lax.fori_loop(first, interior_start, lambda t, c: step(c, t, mask_fn), carry)
     carry = lax.fori_loop(interior_start, interior_end, lambda t, c: step(c, t, None), carry)
-    carry = lax.fori_loop(interior_end, end, lambda t, c: step(c, t, mask_fn), carry)
-  dk, dv = carry
+    return lax.fori_loop(interior_end, end, lambda t, c: step(c, t, mask_fn), carry)
+
+  dk, dv = _over_heads(problem, one_head, k.shape, v.shape)
   dk_ref[...] = (dk * problem.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -74,12 +83,12 @@ def _kept_tile_dkdv(problem, block_q, refs, entry_slice, first, end):
   first_row = jnp.maximum(jnp.min(entry_pos) + problem.window_size - problem.query_offset, 0)
   first = jnp.maximum(first, jnp.minimum(first_row // block_q, end))
   mask_fn = lambda query_pos: kept_mask(problem, query_pos, entry_pos)
-  carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  for head in range(problem.group):
+  def one_head(head, carry):
     step = functools.partial(_accumulate, problem, block_q, k, v, q_ref, do_ref, lse_ref,
                              delta_ref, head)
-    carry = lax.fori_loop(first, end, lambda t, c: step(c, t, mask_fn), carry)
-  dk, dv = carry
+    return lax.fori_loop(first, end, lambda t, c: step(c, t, mask_fn), carry)
+
+  dk, dv = _over_heads(problem, one_head, k.shape, v.shape)
   return dk * problem.scale, dv
 
 
