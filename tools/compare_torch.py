@@ -14,7 +14,9 @@ For each variant and size, on one GPU:
    the training-time layer, no cap), LTE scores and keep decisions (score > 0), the cached prefill's
    logits and the LTE caches' kept out-of-window tokens (capped at b, §5.2), and greedy tokens from
    `lalte_jax.generate.generate`; bfloat16 with the default (GPU kernel) implementations: forward
-   logits against the reference's bfloat16 and float32 logits.
+   logits against the reference's bfloat16 and float32 logits. For the authors' models, also each
+   of our layers on the reference's input to it (tools/layer_parity.py: where an error arises, and
+   how close NSA's block selections are to ties).
 Errors are max |ours - theirs| / max |theirs| (tests/kernel_testing.py). Pass: float32 logits
 <= 1e-4, identical keep decisions, kept sets and greedy tokens, bfloat16 logits within the
 tolerance table's bfloat16 value of the reference's bfloat16 logits, round trip exact.
@@ -157,6 +159,7 @@ def compare_case(case_dir: pathlib.Path) -> dict:
   from lalte_jax import generate as generation
   from lalte_jax.convert import read_hf
   from lalte_jax.inference.checkpoint import model_from_param_dict
+  import layer_parity
   from tests.kernel_testing import relative_error, tolerance
 
   reference = json.loads((case_dir / "reference.json").read_text())
@@ -177,6 +180,9 @@ def compare_case(case_dir: pathlib.Path) -> dict:
     logits, aux = forward(model, tokens)
     record["logits_f32_rel"] = relative_error(logits, ref["logits_f32"])
     log(case_dir, "float32 forward", start)
+    if "hidden_f32" in ref.files:
+      record["layers"] = layer_parity.layer_errors(model, ref["hidden_f32"])
+      log(case_dir, "float32 layer by layer", start)
     if aux.lte_scores is not None:
       cropped = ref["scores_f32"].shape[2]
       ours = np.asarray(aux.lte_scores)

@@ -12,6 +12,8 @@ into `<case>/hf`, and stores in `<case>/reference.npz`:
 
   tokens            [B, T] the prompt
   logits_f32        [B, T, V] float32 forward without cache (LTE: the training-time layer, no cap)
+  hidden_f32        [L + 1, B, T, D] (authors only) that forward's input to each layer, then the
+                    last layer's output after the final norm
   scores_f32        [L_lte, B, T - margin, Hkv] LTE router scores of that forward (sigmoid - 0.5)
   prefill_f32       [B, T, V] logits of the cached prefill (LTE: capped at b, §5.2)
   oow_scores_f32    [L_lte, B, b, Hkv] the LTE caches' out-of-window segments after the prefill
@@ -268,10 +270,14 @@ def run_case(torch, family: str, case_dir: pathlib.Path) -> dict:
       layer.mode = "fused_recurrent"
     if lte is not None:
       lte.enforce_buffer_size = False
-    forward = model(input_ids=ids, use_cache=False)
+    # The authors' models also give every layer's input (and the normed last output), so that
+    # each of our blocks can be checked on exactly their input (tools/layer_parity.py).
+    forward = model(input_ids=ids, use_cache=False, output_hidden_states=family == "authors")
     if lte is not None:
       lte.enforce_buffer_size = True
     out["logits_f32"] = forward.logits.float().cpu().numpy()
+    if family == "authors":
+      out["hidden_f32"] = torch.stack(forward.hidden_states).float().cpu().numpy()
     log(case_dir, "float32 forward", start)
     scores = lte_scores(forward)
     if scores is not None:
