@@ -13,6 +13,7 @@ SIGKILL of the test process itself leaves them running.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pathlib
 import signal
@@ -25,12 +26,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # XLA:CPU compile options of the test session (tests/conftest.py) and of its children. The tests
 # compile far more than they run (tiny models, a few steps each), and LLVM's optimisations are most
-# of XLA:CPU's compile time: with these two flags the two tiny-lalte training tests of
+# of XLA:CPU's compile time: with the first two flags the two tiny-lalte training tests of
 # tests/lalte_jax/train/test_step.py took 27.9 s instead of 62.9 s (2026-11-26, jax 0.10.2, 2-core
-# CPU, cold compilation cache). Every process of a test uses the same flags, so comparisons between
-# them stay exact; the README demo's test drops them to run the command as users do.
+# CPU, cold compilation cache). XLA:CPU's MLIR fusion emitters take most of what is left: without
+# them (the third flag) the tiny laLTE bfloat16 value-and-grad compiles in 2.3 s instead of 6.2 s
+# and tests/lalte_jax/test_model.py runs in 77 s instead of 143 s (same day and machine). jaxlib
+# 0.11.2 has no such flag (and XLA aborts on a flag it does not know), so it is set only on jaxlib
+# 0.10. Every process of a test uses the same flags, so comparisons between them stay exact; the
+# README demo's test drops them to run the command as users do.
+_LEGACY_CPU_EMITTERS = (("--xla_cpu_use_fusion_emitters=false",)
+                        if importlib.metadata.version("jaxlib").startswith("0.10.") else ())
 TEST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true")
+                      "--xla_llvm_disable_expensive_passes=true", *_LEGACY_CPU_EMITTERS)
 
 # Seconds: every process joins and compiles each step within LALTE_INIT_TIMEOUT_S of the others
 # (lalte_jax/train/distributed.py); a peer silent for LALTE_HEARTBEAT_TIMEOUT_S counts as dead.

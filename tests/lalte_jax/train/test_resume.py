@@ -8,7 +8,6 @@ bit for bit on the same mesh (with single-threaded XLA:CPU kernels, see `_launch
 1e-5 on another one.
 """
 
-import json
 import pathlib
 import re
 import shutil
@@ -25,6 +24,7 @@ from lalte_jax.inference import checkpoint as params_checkpoint
 from lalte_jax.train import checkpointing, export
 from tests import damage
 from tests.child_processes import ChildProcesses, child_env
+from tests.lalte_jax.train import cli_runs
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 10
@@ -69,18 +69,11 @@ def _finish(process: subprocess.Popen) -> tuple[int, str]:
   return code, text
 
 
-def _records(run_dir: pathlib.Path) -> list[dict]:
-  path = run_dir / "metrics.jsonl"
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
 def _wait_for_step(process: subprocess.Popen, run_dir: pathlib.Path, step: int) -> int:
   """Waits until the run has logged `step` (or later); returns the newest logged step."""
   deadline = time.monotonic() + TIMEOUT_S
   while time.monotonic() < deadline:
-    records = _records(run_dir)
+    records = cli_runs.records(run_dir)
     if records and records[-1]["step"] >= step:
       return records[-1]["step"]
     assert process.poll() is None, f"run ended early: {_finish(process)}"
@@ -104,7 +97,7 @@ def reference(tmp_path_factory):
     if not result:
       code, text = _finish(process)
       assert code == 0, text
-      records = _records(run_dir)
+      records = cli_runs.records(run_dir)
       assert [r["step"] for r in records] == list(range(1, STEPS + 1))
       result.update(run_dir=run_dir, metrics=_metrics(records), output=text)
     return result
@@ -123,7 +116,7 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
   process.send_signal(signal.SIGTERM)
   code, text = _finish(process)
   assert code == 0, text
-  stopped_at = _records(run_dir)[-1]["step"]
+  stopped_at = cli_runs.records(run_dir)[-1]["step"]
   assert stopped_at < STEPS and f"stopped by SIGTERM after step {stopped_at}" in text
   assert (run_dir / "checkpoints" / str(stopped_at)).is_dir()
   assert not (run_dir / "export").exists()  # an unfinished run exports nothing
@@ -133,7 +126,7 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
   killed_at = _wait_for_step(process, run_dir, stopped_at + 2)
   process.send_signal(signal.SIGKILL)
   process.wait(timeout=TIMEOUT_S)
-  steps_logged = [r["step"] for r in _records(run_dir)]
+  steps_logged = [r["step"] for r in cli_runs.records(run_dir)]
   assert steps_logged == list(range(1, steps_logged[-1] + 1))  # continued, every step once
 
   # 3. Relaunch again: it resumes from the newest complete checkpoint and finishes. The log drops
@@ -143,7 +136,7 @@ def test_sigterm_then_sigkill_between_checkpoints_resume_bit_for_bit(reference, 
   assert code == 0, text
   resumed_from = int(re.findall(r"resumed from \S+/checkpoints/(\d+)", text)[-1])
   assert stopped_at <= resumed_from <= killed_at
-  records = _records(run_dir)
+  records = cli_runs.records(run_dir)
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   expected = reference()["metrics"]
   for record in records:
@@ -175,7 +168,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_resumes_bit_for_bit(referen
     assert re.match(f"warning: checkpoint {step} in {re.escape(str(directory))} is damaged"
                     f" \\({reason}\\);", line), line
   assert f"resumed from {directory}/2" in text
-  records = _records(run_dir)
+  records = cli_runs.records(run_dir)
   assert [r["step"] for r in records] == list(range(3, STEPS + 1))
   for record in records:
     assert (record["loss"], record["grad_norm"]) == ref["metrics"][record["step"]], record["step"]
@@ -198,7 +191,7 @@ def test_resume_on_two_devices_matches_within_1e_5(reference, tmp_path, children
   code, text = _finish(_launch(children, run_dir, 2, ("mesh_data=1", "mesh_fsdp=2")))
   assert code == 0, text
   assert "2 devices" in text and "resumed from" in text
-  records = _records(run_dir)
+  records = cli_runs.records(run_dir)
   assert [r["step"] for r in records] == list(range(7, STEPS + 1))
   for record in records:
     expected_loss, _ = ref["metrics"][record["step"]]

@@ -1,10 +1,11 @@
 """Sharded training equals single-device training: 4 CPU devices in one process, and 2 processes
-x 2 devices through `jax.distributed` on localhost; the parameter layout rules.
+x 2 devices through the training CLI and `jax.distributed` on localhost, one of them joining its
+first step late; the parameter layout rules.
 
-The runs happen in child processes (XLA's device count is fixed when the backend starts, and
-`jax.distributed` can start once per process); each prints its losses as one JSON line. The
-multi-process children take their distributed timeouts from `DISTRIBUTED_ENV`
-(tests/child_processes.py), generous enough for a loaded 2-core machine.
+The in-process meshes run in a child process (XLA's device count is fixed when the backend starts)
+that prints its losses as one JSON line; the 2-process run is `python -m lalte_jax.train` twice
+(tests/lalte_jax/train/cli_runs.py), its losses read from the metrics log. Both use the same
+config, so all start from the same initial state and read the same batches.
 """
 
 import json
@@ -16,89 +17,88 @@ import numpy as np
 import pytest
 
 from lalte_jax.train import distributed
-from tests.child_processes import DISTRIBUTED_ENV, child_env
+from tests.child_processes import child_env
+from tests.lalte_jax.train import cli_runs
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 # The optional tensor axis is covered by the layout test below; a third compiled mesh here would
 # cost a minute of CI time for rules that XLA partitions correctly whatever they say.
 MESHES = {"single": None, "data2_fsdp2": (2, 2, 1)}
 NUM_STEPS = 3
+# Two micro-batches exercise the accumulation layout on the mesh; router dropout stays on (keys
+# do not depend on the layout).
+SETTINGS = (*cli_runs.SETTINGS, "grad_accum_steps=2", f"steps={NUM_STEPS}")
+# Process 1 of the 2-process run compiles and reaches its first step this many seconds after
+# process 0: later than gloo's fixed 30 s rendezvous allows, as on a loaded machine; the run must
+# wait for it at the barrier after compilation (lalte_jax/train/sharding.py, MeshJit).
+LATE_S = 35
+# Per step: the metrics-log field and the name of the same value in the child's results.
+COMPARED_METRICS = {"loss": "losses", "ce_loss": "ce_losses", "grad_norm": "grad_norms",
+                    "lte_retained": "retained"}
 
 
-def _child(process_id: int | None, port: int | None) -> None:
+def _child() -> None:
   import jax  # pylint: disable=import-outside-toplevel
-  from lalte_jax.train import distributed, sharding  # pylint: disable=import-outside-toplevel
-  if process_id is not None:
-    distributed.initialize_distributed(f"localhost:{port}", 2, process_id)
-  from lalte_jax.train.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train import sharding  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.config import load_config  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
 
   assert jax.device_count() == 4, jax.devices()
-  # float32 so that 1e-6 is meaningful; router dropout stays on (keys do not depend on layout);
-  # two micro-batches exercise the accumulation layout on the mesh.
-  config = TrainConfig(variant="lalte", size="tiny", model_dtype="float32", data="mqar",
-                       seq_len=64, mqar_num_kv_pairs=4, global_batch_size=8, grad_accum_steps=2,
-                       steps=10, warmup_steps=2, lr=3e-3, progress_bar=False, tensorboard=False)
-  meshes = MESHES if process_id is None else {"data2_fsdp2": MESHES["data2_fsdp2"]}
+  config = load_config(cli_runs.CONFIG, list(SETTINGS))
   results, initial_state = {}, None
-  for name, shape in meshes.items():
+  for name, shape in MESHES.items():
     mesh = (sharding.make_mesh(devices=jax.devices()[:1]) if shape is None
             else sharding.make_mesh(*shape))
-    # Every single-process run starts from the single-device initial state, resharded.
+    # Every run starts from the single-device initial state, resharded.
     trainer = Trainer(config, mesh=mesh, state=initial_state,
                       logger=MetricsLogger("", total_steps=1, enabled=False))
-    if initial_state is None and process_id is None:
+    if initial_state is None:
       initial_state = jax.device_get(trainer.state)
     sharded = [p for p, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.params)
                if any(axis is not None for axis in leaf.sharding.spec)]
-    losses, norms = [], []
-    for _ in range(NUM_STEPS):
-      metrics = sharding.to_host(trainer.train_step(next(trainer.data_iterator)))
-      losses.append(float(metrics["loss"]))
-      norms.append(float(metrics["grad_norm"]))
-    results[name] = {"losses": losses, "grad_norms": norms, "num_sharded_params": len(sharded),
-                     "retained": metrics["lte_retained"].tolist(),
-                     "step": int(sharding.to_host(trainer.state.step))}
-    if process_id is None:
-      embedding = jax.device_get(trainer.state.params["embed"]["embedding"])
-      results[name]["embedding"] = embedding[:4].tolist()
+    steps = [sharding.to_host(trainer.train_step(next(trainer.data_iterator)))
+             for _ in range(NUM_STEPS)]
+    results[name] = {key: [np.asarray(metrics[field]).tolist() for metrics in steps]
+                     for field, key in COMPARED_METRICS.items()}
+    embedding = jax.device_get(trainer.state.params["embed"]["embedding"])
+    results[name].update(num_sharded_params=len(sharded), embedding=embedding[:4].tolist(),
+                         step=int(sharding.to_host(trainer.state.step)))
   print("RESULTS " + json.dumps(results), flush=True)
 
 
-def _start(children, device_count: int, *args) -> subprocess.Popen:
-  env = child_env(devices=device_count, **DISTRIBUTED_ENV)
-  return children.start([sys.executable, __file__, *map(str, args)], env=env, cwd=REPO,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _results(proc: subprocess.Popen) -> dict:
-  out, err = proc.communicate(timeout=900)  # on a timeout the `children` fixture kills them all
-  assert proc.returncode == 0, err[-4000:]
-  line = next(l for l in out.splitlines() if l.startswith("RESULTS "))
-  return json.loads(line[len("RESULTS "):])
-
-
-
 @pytest.mark.slow
-def test_sharded_and_multiprocess_steps_equal_single_device(children):
-  port = distributed.free_port()
-  procs = [_start(children, 4)] + [_start(children, 2, process_id, port)
-                                   for process_id in (0, 1)]
-  results, *per_process = [_results(proc) for proc in procs]
+def test_sharded_and_multiprocess_steps_equal_single_device(tmp_path, children):
+  in_process = children.start([sys.executable, __file__], env=child_env(devices=4), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  port, run_dir = distributed.free_port(), tmp_path / "two_processes"
+  processes = [cli_runs.launch(children, run_dir, SETTINGS, devices=2, process_id=i, port=port,
+                               late_s=LATE_S if i == 1 else 0) for i in (0, 1)]
+  out, err = in_process.communicate(timeout=900)  # on a timeout `children` kills them all
+  assert in_process.returncode == 0, err[-4000:]
+  results = json.loads(next(l for l in out.splitlines() if l.startswith("RESULTS "))[8:])
+  for process in processes:
+    assert cli_runs.wait(process, run_dir, timeout=900) == 0, cli_runs.log_tail(run_dir)
+
   single = results["single"]
   assert single["num_sharded_params"] == 0 and single["step"] == NUM_STEPS
   assert all(np.isfinite(single["losses"]))
-  runs = {"data2_fsdp2": results["data2_fsdp2"]}
-  runs.update({f"process{i}_of_2": r["data2_fsdp2"] for i, r in enumerate(per_process)})
-  for name, got in runs.items():
-    assert got["num_sharded_params"] > 10, name  # the FSDP rules actually sharded the model
+  assert len(set(single["losses"])) == NUM_STEPS  # the model trains: losses move
+  fsdp = results["data2_fsdp2"]
+  assert fsdp["num_sharded_params"] > 10  # the FSDP rules actually sharded the model
+  np.testing.assert_allclose(fsdp["embedding"], single["embedding"], rtol=0, atol=1e-6)
+  records = cli_runs.records(run_dir)
+  assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1)), cli_runs.log_tail(run_dir)
+  assert "4 devices on 2 process(es)" in (run_dir / "process0.log").read_text()
+  two_processes = {key: [r[field] for r in records] for field, key in COMPARED_METRICS.items()}
+  for name, got in (("data2_fsdp2", fsdp), ("2_processes", two_processes)):
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=0, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(got["grad_norms"], single["grad_norms"], rtol=1e-6, err_msg=name)
     np.testing.assert_allclose(got["retained"], single["retained"], rtol=0, atol=1e-6,
                                err_msg=name)
-    if "embedding" in got:
-      np.testing.assert_allclose(got["embedding"], single["embedding"], rtol=0, atol=1e-6)
+  # The same mesh in one process and in two: every logged metric within 1e-6.
+  for key in COMPARED_METRICS.values():
+    np.testing.assert_allclose(two_processes[key], fsdp[key], rtol=0, atol=1e-6, err_msg=key)
 
 
 class _FakeMesh:  # param_partition_spec reads only the axis sizes
@@ -124,7 +124,4 @@ def test_param_partition_specs(path, shape, fsdp, tensor, expected):
 
 
 if __name__ == "__main__":
-  if len(sys.argv) == 3:
-    _child(int(sys.argv[1]), int(sys.argv[2]))
-  else:
-    _child(None, None)
+  _child()
