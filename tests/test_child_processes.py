@@ -38,6 +38,14 @@ def test_leaving_the_block_kills_children_and_their_descendants():
   assert _gone(shell.pid) and _gone(grandchild)
 
 
+def _default_sigint():
+  """SIGINT's default disposition in the child, so that its Python turns SIGINT into
+  KeyboardInterrupt as in an interactive test run. A process started in the background by a
+  non-interactive shell (`cmd &`, as a CI script may start this test run) inherits SIGINT
+  ignored, and its children with it."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 INTERRUPTED_TEST = '''
 import time
 
@@ -59,7 +67,7 @@ def test_interrupting_a_test_run_kills_its_children(signum, tmp_path):
                           "-p", "no:xdist", "-p", "tests.conftest",
                           str(tmp_path / "test_hangs.py")],
                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+                         text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 120
     while not pid_file.is_file() or not pid_file.read_text():
       assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
