@@ -38,12 +38,13 @@ def test_leaving_the_block_kills_children_and_their_descendants():
   assert _gone(shell.pid) and _gone(grandchild)
 
 
-def _default_sigint():
-  """SIGINT's default disposition in the child, so that its Python turns SIGINT into
-  KeyboardInterrupt as in an interactive test run. A process started in the background by a
-  non-interactive shell (`cmd &`, as a CI script may start this test run) inherits SIGINT
-  ignored, and its children with it."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m pytest` with SIGINT raising KeyboardInterrupt, as in an interactive test run. A
+# process started in the background by a non-interactive shell (`cmd &`, as a CI script may start
+# this test run) inherits SIGINT ignored, and so would the inner run. (Resetting it in the child
+# with preexec_fn would run Python between fork and exec in this multithreaded JAX process.)
+PYTEST_WITH_SIGINT = ("import runpy, signal, sys;"
+                      " signal.signal(signal.SIGINT, signal.default_int_handler);"
+                      " sys.argv[0] = 'pytest'; runpy.run_module('pytest', run_name='__main__')")
 
 
 INTERRUPTED_TEST = '''
@@ -63,11 +64,11 @@ def test_interrupting_a_test_run_kills_its_children(signum, tmp_path):
   (tmp_path / "test_hangs.py").write_text(INTERRUPTED_TEST.format(pid_file=str(pid_file)))
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
   with ChildProcesses() as children:  # the inner pytest itself
-    run = children.start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    run = children.start([sys.executable, "-c", PYTEST_WITH_SIGINT, "-q", "-p", "no:cacheprovider",
                           "-p", "no:xdist", "-p", "tests.conftest",
                           str(tmp_path / "test_hangs.py")],
                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, preexec_fn=_default_sigint)
+                         text=True)
     deadline = time.monotonic() + 120
     while not pid_file.is_file() or not pid_file.read_text():
       assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
