@@ -3,6 +3,7 @@ runs) against one process over N GPUs, through the trainer's own command line.
 
     python3 tools/bench_scaling.py --json runs/scaling.json --budget-s 500          # 4-GPU host
     python3 tools/bench_scaling.py --presets lalte-0.4b --gpus 1,2 --reshard lalte-0.4b
+    python3 tools/bench_scaling.py --presets "" --reshard lalte-1.4b --reshard-to 2   # only that
     python3 tools/bench_scaling.py --platform cpu --presets lalte-tiny --gpus 1,2 --seq-len 64 \\
         --steps 4 --warmup 2 --dtype float32      # CPU smoke: each "GPU" is a CPU device
 
@@ -125,8 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
   args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
-  if not args.presets:
-    parser.error("--presets names no preset")
+  if not args.presets and not args.reshard:
+    parser.error("--presets names no preset (an empty list is for --reshard alone)")
   if not args.modes or set(args.modes) - {"multi", "single"}:
     parser.error(f"--modes must be multi, single or both, got {','.join(args.modes)!r}")
   for name in ("batch_per_gpu", "seq_len", "steps", "case_timeout_s", "reshard_from"):

@@ -63,6 +63,13 @@ def test_plan_skips_missing_gpus_and_always_has_the_baseline():
   assert [gpus for _, _, gpus in bench.case_plan(args, visible=4)] == [1, 4, 4, 2, 2]
 
 
+def test_reshard_alone_runs_no_cases():
+  bench = load_tool("bench_scaling")
+  assert bench.case_plan(bench.parse_args(["--presets", "", "--reshard", "a-tiny"]), 4) == []
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--presets", ""])
+
+
 def test_budget_skips_a_case_that_cannot_finish():
   bench = load_tool("bench_scaling")
   budget = bench.Budget(total_s=100.0, case_timeout_s=600.0)
