@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from lalte_jax.train import distributed
 from tests.child_processes import DISTRIBUTED_ENV, REPO, ChildProcesses, child_env
 
 CONFIG = REPO / "lalte_jax" / "configs" / "tiny_mqar.py"
@@ -50,7 +51,7 @@ def launch(children: ChildProcesses, run_dir: pathlib.Path, settings: Sequence[s
   makes it sleep that long before its first step, and compile without the persistent compilation
   cache (which would otherwise hand it what the punctual process compiled meanwhile)."""
   env = child_env(devices=devices, **DISTRIBUTED_ENV)
-  for name in ("LALTE_COORDINATOR_ADDRESS", "LALTE_NUM_PROCESSES", "LALTE_PROCESS_ID"):
+  for name in distributed.ENV_PROCESS_SETTINGS:
     env.pop(name, None)
   command = [sys.executable, "-m", "lalte_jax.train"]
   if late_s:

@@ -32,6 +32,7 @@ SETTINGS = (*cli_runs.SETTINGS, "grad_accum_steps=2", f"steps={NUM_STEPS}")
 # process 0: later than gloo's fixed 30 s rendezvous allows, as on a loaded machine; the run must
 # wait for it at the barrier after compilation (lalte_jax/train/sharding.py, MeshJit).
 LATE_S = 35
+RESULTS = "RESULTS "  # the prefix of the in-process child's output line
 # Per step: the metrics-log field and the name of the same value in the child's results.
 COMPARED_METRICS = {"loss": "losses", "ce_loss": "ce_losses", "grad_norm": "grad_norms",
                     "lte_retained": "retained"}
@@ -64,7 +65,7 @@ def _child() -> None:
     embedding = jax.device_get(trainer.state.params["embed"]["embedding"])
     results[name].update(num_sharded_params=len(sharded), embedding=embedding[:4].tolist(),
                          step=int(sharding.to_host(trainer.state.step)))
-  print("RESULTS " + json.dumps(results), flush=True)
+  print(RESULTS + json.dumps(results), flush=True)
 
 
 @pytest.mark.slow
@@ -76,7 +77,7 @@ def test_sharded_and_multiprocess_steps_equal_single_device(tmp_path, children):
                                late_s=LATE_S if i == 1 else 0) for i in (0, 1)]
   out, err = in_process.communicate(timeout=900)  # on a timeout `children` kills them all
   assert in_process.returncode == 0, err[-4000:]
-  results = json.loads(next(l for l in out.splitlines() if l.startswith("RESULTS "))[8:])
+  results = json.loads(next(l for l in out.splitlines() if l.startswith(RESULTS))[len(RESULTS):])
   for process in processes:
     assert cli_runs.wait(process, run_dir, timeout=900) == 0, cli_runs.log_tail(run_dir)
 
