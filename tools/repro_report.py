@@ -34,7 +34,11 @@ def selection_accuracy(record: dict) -> float:
 
 
 def choose_lrs(records: list[dict], models, lrs, pairs: int, steps: int) -> dict[str, float]:
-  """{model: lr} for the models whose seed-0 runs at every lr of `lrs` have finished."""
+  """{model: lr} for the models whose seed-0 runs at every lr of `lrs` have finished; with a
+  single lr there is nothing to choose, so every model has it from the start (its seeds need not
+  wait for the seed-0 run)."""
+  if len(lrs) == 1:
+    return {model: lrs[0] for model in models}
   chosen = {}
   for model in models:
     sweep = {r["lr"]: r for r in records if r["model"] == model and r["seed"] == 0

@@ -35,7 +35,8 @@ def write_records(out: pathlib.Path, records) -> None:
 def test_plan_sweeps_then_runs_seeds_and_controls_at_the_chosen_lr(tmp_path):
   repro = load_tool("repro")
   args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn,lalte_router_off",
-                           "--lrs", "1e-3,3e-3", "--seeds", "0,1"])
+                           "--lrs", "1e-3,3e-3", "--seeds", "0,1", "--steps", "2000",
+                           "--control-steps", "1000"])
   assert [s.name for s in repro.plan(args, [])] == [
       "gdn_attn_p96_lr0.001_s0", "gdn_attn_p96_lr0.003_s0", "lalte_router_off_p96_lr0.001_s0",
       "lalte_router_off_p96_lr0.003_s0"]
@@ -53,6 +54,14 @@ def test_plan_sweeps_then_runs_seeds_and_controls_at_the_chosen_lr(tmp_path):
       "lalte_router_off_p96_lr0.003_s0", "gdn_attn_p96_lr0.001_s1", "gdn_attn_p8_lr0.001_s0"]
   with pytest.raises(SystemExit):
     repro.parse_args(["--models", "mamba"])
+
+
+def test_plan_with_one_lr_starts_every_seed_at_once(tmp_path):
+  repro = load_tool("repro")
+  args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn,lalte_router_off",
+                           "--lrs", "5e-4", "--seeds", "0,1", "--control-steps", "0"])
+  assert [s.name for s in repro.plan(args, [])] == [
+      "gdn_attn_p96_lr0.0005_s0", "lalte_router_off_p96_lr0.0005_s0", "gdn_attn_p96_lr0.0005_s1"]
 
 
 def test_report_checks_pass_fail_and_missing():
@@ -176,7 +185,8 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   assert capacity.LONG_GAP >= max(swa.window_size - 1, lte.window, nsa.window_size - 1)
   assert capacity.PREFIX_LEN >= lte.num_sinks
   config = capacity.study_config(capacity.RunSpec("lalte_warmup", 3e-3, 2))
-  assert (config.lr, config.seed, config.lte_routing_freeze_steps) == (3e-3, 44, 500)
+  assert (config.lr, config.seed, config.steps) == (3e-3, 44, capacity.STEPS)
+  assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps == capacity.STEPS // 2
   assert capacity.study_config(capacity.RunSpec("lalte", 1e-3, 0)).lte_routing_freeze_steps == 0
 
 
