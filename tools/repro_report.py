@@ -8,12 +8,16 @@ builds `results.json` / `results.md`:
 - the main table: test accuracy at that lr over the seeds (mean, std, each seed), capped and
   uncapped, and for LTE models availability, retention and kept counts; the P = 8 control;
 - the acceptance checks of the study and the falsification checks (`checks`), each "pass",
-  "fail" or "missing" (not enough runs yet) with the numbers it compared.
+  "fail" or "missing" (not enough runs yet) with the numbers it compared;
+- per run, from its `metrics.jsonl`, how training went (`training_milestones`): the step at which
+  the answers' cross-entropy first fell clearly below the plateau of a uniform guess among the
+  values, its lowest and final values, and the largest sparsity weight lambda of an LTE model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import statistics
 
@@ -23,9 +27,42 @@ RUNS_DIR = "runs"
 LTE_MODELS = ("lalte", "lalte_warmup")
 
 
+# A run has left the plateau once its answers' cross-entropy is this far below ln(#values).
+PLATEAU_MARGIN = 0.3
+
+
+def training_milestones(run_dir: pathlib.Path) -> dict:
+  """How a run's training went, from its metrics.jsonl and run.json ({} when either is missing):
+  `plateau` = ln(number of values), the loss of a uniform guess among them; `left_plateau_step`
+  = the first logged step with ce_loss < plateau - PLATEAU_MARGIN (None: never); the lowest and
+  final ce_loss; `max_lambda` = the largest sparsity weight of any LTE layer and head (None for
+  models without one)."""
+  metrics_path, spec_path = run_dir / "metrics.jsonl", run_dir / "run.json"
+  if not metrics_path.is_file() or not spec_path.is_file():
+    return {}
+  spec = json.loads(spec_path.read_text())
+  vocab = capacity.model_overrides(spec["model"], smoke=spec.get("smoke", False))["vocab_size"]
+  plateau = math.log(vocab // 2)  # MQARSource: values are the upper half of the vocabulary
+  rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+  rows = [r for r in rows if "ce_loss" in r]
+  if not rows:
+    return {}
+  left = next((r["step"] for r in rows if r["ce_loss"] < plateau - PLATEAU_MARGIN), None)
+  lambdas = [v for r in rows for layer in r.get("lte_lambda") or () for v in layer]
+  return {"plateau": plateau, "left_plateau_step": left,
+          "min_ce_loss": min(r["ce_loss"] for r in rows), "final_ce_loss": rows[-1]["ce_loss"],
+          "max_lambda": max(lambdas) if lambdas else None}
+
+
 def load_records(out: pathlib.Path) -> list[dict]:
-  """Every finished run's records under `out/runs`, in name order."""
-  return [json.loads(path.read_text()) for path in sorted((out / RUNS_DIR).glob("*/records.json"))]
+  """Every finished run's records under `out/runs`, in name order, each with its
+  `training_milestones` under "milestones"."""
+  records = []
+  for path in sorted((out / RUNS_DIR).glob("*/records.json")):
+    record = json.loads(path.read_text())
+    record["milestones"] = training_milestones(path.parent)
+    records.append(record)
+  return records
 
 
 def selection_accuracy(record: dict) -> float:
@@ -215,11 +252,13 @@ def markdown(payload: dict, device: str) -> str:
                   [[c["check"], c["status"], c["detail"]] for c in payload["checks"]])
   runs = _table(
       ["run", "select capped", "select uncapped", "test capped", "test uncapped",
-       "availability (test, capped)", "train s", "step s"],
+       "availability (test, capped)", "left plateau at step", "min / final CE", "max lambda",
+       "train s", "step s"],
       [[r["name"], _accuracy(r["select"], "capped_accuracy"),
         _accuracy(r["select"], "uncapped_accuracy"), _accuracy(r["test"], "capped_accuracy"),
         _accuracy(r["test"], "uncapped_accuracy"), _accuracy(r["test"], "availability_capped"),
-        r["train"]["train_s"], r["train"].get("step_time_s")] for r in payload["runs"]])
+        *_milestone_cells(r.get("milestones") or {}), r["train"]["train_s"],
+        _seconds(r["train"].get("step_time_s"))] for r in payload["runs"]])
   probes = _table(
       ["run", "step", "dCE/dscore values", "dCE/dscore fillers", "retained values",
        "retained fillers"],
@@ -237,6 +276,20 @@ def markdown(payload: dict, device: str) -> str:
           f" chosen per model on the held-out select split (capped): {chosen}.\n\n{main}\n\n"
           f"## Checks\n\n{checks}\n\n## Every run\n\n{runs}\n\n## dCE/dscore and retention"
           f" (per LTE layer and KV head)\n\n{probes}\n")
+
+
+def _milestone_cells(milestones: dict) -> list[str]:
+  if not milestones:
+    return ["–"] * 3
+  left = milestones["left_plateau_step"]
+  lam = milestones["max_lambda"]
+  return ["never" if left is None else str(left),
+          f"{milestones['min_ce_loss']:.2f} / {milestones['final_ce_loss']:.2f}",
+          "–" if lam is None else f"{lam:.2g}"]
+
+
+def _seconds(value) -> str:
+  return "–" if value is None else f"{value:.4f}"
 
 
 def _round(rows) -> str:

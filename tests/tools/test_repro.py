@@ -202,3 +202,27 @@ def test_study_settings_train_and_checkpoint_a_few_steps(tmp_path, model):
   summary = Trainer(config, checkpoints=checkpoints).run()
   checkpoints.close()
   assert np.isfinite(summary["final_loss"]) and checkpoints.latest_step() == 2
+
+
+def test_training_milestones_from_hand_made_metrics(tmp_path):
+  report = load_tool("repro_report")
+  run = tmp_path / "lalte_p96_lr0.0005_s0"
+  run.mkdir()
+  (run / "run.json").write_text(json.dumps({"model": "lalte", "lr": 5e-4, "seed": 0, "pairs": 96,
+                                            "steps": 4, "smoke": False}))
+  plateau = np.log(4096)  # vocabulary 8192: the values are its upper half
+  losses = [9.0, plateau, plateau - 0.2, plateau - 0.5, 6.0, 7.0]
+  lambdas = [[[1e-9, 1e-9]], [[1e-3, 2e-9]], [[0.5, 0.0]], [[1e-2, 0.0]], [[0.0, 0.0]], None]
+  (run / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": 10 * (i + 1), "ce_loss": float(loss),
+                  **({"lte_lambda": lam} if lam else {})}) + "\n"
+      for i, (loss, lam) in enumerate(zip(losses, lambdas))) + json.dumps({"step": 60}) + "\n")
+  milestones = report.training_milestones(run)
+  assert milestones["plateau"] == pytest.approx(plateau)
+  assert milestones["left_plateau_step"] == 40  # the first loss more than 0.3 below the plateau
+  assert (milestones["min_ce_loss"], milestones["final_ce_loss"]) == (6.0, 7.0)
+  assert milestones["max_lambda"] == 0.5
+  (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "ce_loss": float(plateau)}) + "\n")
+  assert report.training_milestones(run)["left_plateau_step"] is None
+  assert report.training_milestones(run)["max_lambda"] is None
+  assert report.training_milestones(tmp_path / "missing") == {}
