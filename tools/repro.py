@@ -8,8 +8,8 @@
 The plan, in order (each stage starts for a model as soon as the stage before gives what it
 needs, so one invocation may run several stages):
 1. sweep: every model of MODELS and CHECKS at every learning rate (`--lrs`), seed 0, P = 96;
-2. seeds: the other seeds (`--seeds`) of every model of MODELS at its chosen lr (the sweep run
-   with the best capped accuracy on the held-out "select" split);
+2. seeds: the other seeds (`--seeds`) of every model at its chosen lr (the sweep run with the
+   best capped accuracy on the held-out "select" split; uncapped for the router-off check);
 3. control: every model of MODELS at its chosen lr with P = 8 (`--control-steps` steps).
 Each run lives in `--out/runs/<name>/` (tools/repro_run.py: run.json, the trainer's metrics and
 checkpoints, `export/`, `records.json` once finished, `log.txt`) and runs as a child process,
@@ -109,10 +109,11 @@ def plan(args, records: list[dict]) -> list[capacity.RunSpec]:
   main_models = [m for m in args.models if m in capacity.MODELS]
   specs = [capacity.RunSpec(m, lr, 0, capacity.NUM_KV_PAIRS, args.steps)
            for m in args.models for lr in args.lrs]
-  chosen = repro_report.choose_lrs(records, main_models, args.lrs, capacity.NUM_KV_PAIRS,
+  # The checks run every seed too: seed-to-seed spread is larger than the checks' margins.
+  chosen = repro_report.choose_lrs(records, args.models, args.lrs, capacity.NUM_KV_PAIRS,
                                    args.steps)
   specs += [capacity.RunSpec(m, chosen[m], seed, capacity.NUM_KV_PAIRS, args.steps)
-            for m in main_models if m in chosen for seed in args.seeds if seed != 0]
+            for m in args.models if m in chosen for seed in args.seeds if seed != 0]
   if args.control_steps:
     specs += [capacity.RunSpec(m, chosen[m], 0, capacity.CONTROL_KV_PAIRS, args.control_steps)
               for m in main_models if m in chosen]
