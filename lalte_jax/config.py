@@ -184,7 +184,8 @@ class ModelConfig:
   # Hybrid family (laLTE, laNSA, pure LTE, LTE-MLP): o_proj/down_proj re-initialised with
   # kaiming-uniform / sqrt(2 * num_layers) (§1.4, G17).
   rescale_prenorm_residual: bool = False
-  dtype: str = "float32"  # activations and matmuls; parameters are always float32
+  dtype: str = "float32"  # activations and matmuls; parameters float32 (bfloat16 matrices
+  # for serving: lalte_jax.inference.param_dtype)
   scan_layers: bool = True  # scan over the repeated group of layers (compile time flat in depth)
   remat: RematPolicy = "none"
   max_position_embeddings: int = 4096

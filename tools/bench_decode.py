@@ -4,11 +4,13 @@
     python tools/bench_decode.py --presets lalte-tiny gdn_attn-tiny --contexts 64 128 --batch 2
     python tools/bench_decode.py --presets lansa-1.4b lansa-0.4b --contexts 4096 16384 65536
 
-Random weights. For each preset and context length L the cache is set directly to the state after
-L tokens instead of running a prefill (a 64K prefill of full attention at batch 32 is not what is
-measured): the GDN states and the SWA / LTE rings are full, full attention and NSA hold L keys
-(NSA also the means of the L / 64 complete blocks), and the LTE out-of-window set is half full (b/2 kept keys per head, as the paper's kernel benchmark). Cache
-values are constants or random numbers; no step's cost depends on them.
+Random weights: float32, or with `--param-dtype bfloat16` bfloat16 matrices as a server holds them
+(`lalte_jax.inference.param_dtype`). For each preset and context length L the cache is set directly
+to the state after L tokens instead of running a prefill (a 64K prefill of full attention at batch
+32 is not what is measured): the GDN states and the SWA / LTE rings are full, full attention and NSA
+hold L keys (NSA also the means of the L / 64 complete blocks), and the LTE out-of-window set is
+half full (b/2 kept keys per head, as the paper's kernel benchmark). Cache values are constants or
+random numbers; no step's cost depends on them.
 
 Reports the median wall time of `--steps` decode steps (one token for each of the B rows, the whole
 model incl. the LM head) after `--warmup` steps, the batch's tokens/s, and the cache bytes per
@@ -32,6 +34,8 @@ from flax import nnx
 from lalte_jax import generate as gen
 from lalte_jax.config import get_model_config
 from lalte_jax.inference.caches import GDNCache, cache_bytes
+from lalte_jax.inference.param_dtype import (PARAM_DTYPE_HELP, PARAM_DTYPES,
+                                             cast_params_for_inference)
 from lalte_jax.model import HybridLM
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn_attn-1.4b")
@@ -123,9 +127,10 @@ def bench_one(model, batch: int, context: int, steps: int, warmup: int) -> dict:
   return result
 
 
-def build_model(name: str, dtype: str) -> HybridLM:
+def build_model(name: str, dtype: str, param_dtype: str) -> HybridLM:
   config = get_model_config(name).replace(dtype=dtype)
-  return nnx.jit(lambda: HybridLM(config, rngs=nnx.Rngs(0)))()  # parameters made on the device
+  model = nnx.jit(lambda: HybridLM(config, rngs=nnx.Rngs(0)))()  # parameters made on the device
+  return cast_params_for_inference(model, param_dtype)
 
 
 def is_out_of_memory(error: Exception) -> bool:
@@ -140,13 +145,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+  parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
+                      help=PARAM_DTYPE_HELP)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
   args = parser.parse_args(argv)
 
   rows = []
   for name in args.presets:
-    model = build_model(name, args.dtype)
+    model = build_model(name, args.dtype, args.param_dtype)
     for context in args.contexts:
       try:
         result = bench_one(model, args.batch, context, args.steps, args.warmup)
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
 
   device = jax.devices()[0]
   print(f"\nDevice: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__},"
-        f" batch {args.batch}, {args.dtype} activations, random weights; median of {args.steps}"
+        f" batch {args.batch}, {args.dtype} activations, {args.param_dtype} parameters, random"
+        f" weights; median of {args.steps}"
         f" steps after {args.warmup} warm-up.")
   print(f"Command: python tools/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"
         "\n")

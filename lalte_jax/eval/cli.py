@@ -35,6 +35,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
   from lalte_jax.eval import suite  # pylint: disable=import-outside-toplevel
+  from lalte_jax.inference.param_dtype import (  # pylint: disable=import-outside-toplevel
+      PARAM_DTYPE_HELP, PARAM_DTYPES)
   parser = cli_boundary.ArgumentParser(
       prog="python -m lalte_jax.eval", description=__doc__.splitlines()[0],
       example="python -m lalte_jax.eval --checkpoint runs/readme_demo/export --tasks"
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " the checkpoint's tokenizer.json, else bytes)")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                       help="activation dtype (default: the checkpoint's config)")
+  parser.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
+                      help=PARAM_DTYPE_HELP)
   parser.add_argument("--mqar-num-kv-pairs", type=int, default=8)
   parser.add_argument("--mqar-min-gap", type=int,
                       help="long-gap MQAR gap (default: from the model's attention windows)")
@@ -85,7 +89,7 @@ def run(argv: list[str] | None = None) -> dict:
   output_dir = report.check_output_dir(args.output_dir
                                        or pathlib.Path(args.checkpoint) / "eval")
   tokenizer = tokenizers.tokenizer_for_checkpoint(args.tokenizer, args.checkpoint)
-  model = checkpoint.load_model(args.checkpoint, dtype=args.dtype)
+  model = checkpoint.load_model(args.checkpoint, dtype=args.dtype, param_dtype=args.param_dtype)
   records = suite.run_suite(model, options, tokenizer)
   payload = {"checkpoint": str(pathlib.Path(args.checkpoint).absolute()),
              "model": model.config.name, "tokenizer": tokenizer.name,

@@ -8,6 +8,7 @@ stack.py        prefill / decode through the scanned layer groups (Block.step), 
 sampling.py     greedy / temperature / top-k / top-p
 prompts.py      prompt validation, left padding, shape buckets
 checkpoint.py   params-only checkpoints (orbax) for inference
+param_dtype.py  the parameters' dtype for serving: bfloat16 matrices, float32 vectors
 cli.py          `python -m lalte_jax.generate`
 Each mixer's prefill and decode step are methods of the mixer (`lalte_jax/mixers/`), next to its
 training forward. The public entry is `lalte_jax.generate`.

@@ -5,7 +5,8 @@ model's `nnx.Param` state written by orbax's StandardCheckpointer).
 or window, load without a preset of their own), its name, and the dtype the parameters were
 stored in. Older files that hold only `config_name` load through the preset of that name.
 Parameters may be stored in bfloat16 (`save_params(..., dtype="bfloat16")`, half the bytes);
-loading always gives float32 parameters, as the model computes with float32 master weights.
+loading gives float32 parameters, or with `param_dtype="bfloat16"` bfloat16 matrices and float32
+vectors for serving (`lalte_jax.inference.param_dtype`), whatever the stored dtype.
 
 Loading checks the stored parameter tree against the config's before restoring, so a checkpoint of
 another architecture fails with a ValueError that names the first differences. A damaged or
@@ -27,12 +28,14 @@ from flax import nnx
 from lalte_jax import integrity
 from lalte_jax.config import (AttentionConfig, GDNConfig, LTEConfig, ModelConfig, NSAConfig,
                               get_model_config)
+# PARAM_DTYPES: the dtypes parameters are stored in, as those they are held in.
+from lalte_jax.inference.param_dtype import (PARAM_DTYPES, cast_params_for_inference,
+                                             check_param_dtype)
 from lalte_jax.model import HybridLM
 
 FORMAT = "lalte_jax.params.v2"
 METADATA_FILE = "model.json"
 PARAMS_DIR = "params"
-PARAM_DTYPES = ("float32", "bfloat16")
 _SUB_CONFIGS = {"gdn": GDNConfig, "attention": AttentionConfig, "lte": LTEConfig,
                 "nsa": NSAConfig}
 
@@ -148,13 +151,16 @@ def read_model_config(directory: str | pathlib.Path) -> ModelConfig:
 
 
 def load_params(directory: str | pathlib.Path, config_name: str | None = None,
-                dtype: str | None = None) -> HybridLM:
-  """The model stored in `directory`, with float32 parameters.
+                dtype: str | None = None, param_dtype: str = "float32") -> HybridLM:
+  """The model stored in `directory`.
 
   config_name: the config name the caller expects; another name raises ValueError.
-  dtype: activation dtype override ("bfloat16" on GPUs); parameters stay float32.
+  dtype: activation dtype override ("bfloat16" on GPUs).
+  param_dtype: "float32" (every parameter) or "bfloat16" (matrices in bfloat16, vectors float32:
+    `cast_params_for_inference`), whatever dtype the parameters were stored in.
   """
   import orbax.checkpoint as ocp
+  check_param_dtype(param_dtype)
   directory = pathlib.Path(directory).absolute()
   stored_name = read_config_name(directory)
   if config_name is not None and config_name != stored_name:
@@ -193,7 +199,8 @@ def load_params(directory: str | pathlib.Path, config_name: str | None = None,
   except Exception as error:  # Orbax/TensorStore raise many types; all mean unreadable
     raise ValueError(f"checkpoint: {directory} is damaged: the parameters are unreadable"
                      f" ({integrity.read_error_reason(error)})") from error
-  return model_from_param_dict(config, _keys_like(param_shapes(config), restored))
+  model = model_from_param_dict(config, _keys_like(param_shapes(config), restored))
+  return model if param_dtype == "float32" else cast_params_for_inference(model, param_dtype)
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -214,7 +221,9 @@ def model_from_param_dict(config: ModelConfig, params: dict) -> HybridLM:
   return nnx.merge(graphdef, params_state, rest)
 
 
-def load_model(directory: str | pathlib.Path, dtype: str | None = None) -> HybridLM:
-  """The model (full stored config + float32 parameters) of a params-only checkpoint, as the
-  trainer's export (`python -m lalte_jax.train.export`, `<run_dir>/export`) writes it."""
-  return load_params(directory, dtype=dtype)
+def load_model(directory: str | pathlib.Path, dtype: str | None = None,
+               param_dtype: str = "float32") -> HybridLM:
+  """The model (full stored config, parameters in `param_dtype` as `load_params`) of a
+  params-only checkpoint, as the trainer's export (`python -m lalte_jax.train.export`,
+  `<run_dir>/export`) writes it."""
+  return load_params(directory, dtype=dtype, param_dtype=param_dtype)

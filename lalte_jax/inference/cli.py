@@ -20,6 +20,7 @@ import jax
 from lalte_jax import cli_boundary
 from lalte_jax.data import tokenizer as tokenizers
 from lalte_jax.inference import checkpoint
+from lalte_jax.inference.param_dtype import PARAM_DTYPE_HELP, PARAM_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--model", help="expected preset name; error if the checkpoint differs")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="activation dtype (default: the preset's)")
+  parser.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
+                      help=PARAM_DTYPE_HELP)
   parser.add_argument("--max-new-tokens", type=int, default=64)
   parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   parser.add_argument("--top-k", type=int)
@@ -59,7 +62,8 @@ def run(argv: list[str] | None = None) -> list[str]:
   from lalte_jax import generate as generation
   args = build_parser().parse_args(argv)
   tokenizer = tokenizers.tokenizer_for_checkpoint(args.tokenizer, args.checkpoint)
-  model = checkpoint.load_params(args.checkpoint, config_name=args.model, dtype=args.dtype)
+  model = checkpoint.load_params(args.checkpoint, config_name=args.model, dtype=args.dtype,
+                                 param_dtype=args.param_dtype)
   vocab_size = model.config.vocab_size
   eviction = None
   if args.eviction is not None:

@@ -50,6 +50,8 @@ EVAL_BAD_INPUTS = {
     "zero length": (["--lengths", "0"], "lengths: must be positive, got [0]"),
     "zero examples": (["--num-examples", "0"], "num_examples: must be positive, got 0"),
     "bad dtype": (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    "bad param dtype": (["--param-dtype", "float16"],
+                        "argument --param-dtype: invalid choice: 'float16'"),
     "missing tokenizer": (["--tokenizer", "{tmp}/tok.json"], "tokenizer file {tmp}/tok.json does"),
     "sniah2 without haystack": (["--tasks", "sniah2"], "haystack_dir: sniah2/sniah3 need"),
     "missing haystack": (["--tasks", "sniah3", "--haystack-dir", "{tmp}/missing"],
