@@ -1,10 +1,15 @@
-"""Losses on model outputs."""
+"""Losses on model outputs: next-token CE on logits, the trainer's masked CE sum on shifted labels,
+and the same sum computed chunk by chunk from the final hidden states."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from lalte_jax.data import IGNORE_LABEL
 
 
 def next_token_cross_entropy(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -13,3 +18,46 @@ def next_token_cross_entropy(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax
   losses = optax.softmax_cross_entropy_with_integer_labels(
       logits_BTV[:, :-1].astype(jnp.float32), tokens_BT[:, 1:])
   return jnp.mean(losses)
+
+
+def masked_cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array) -> jax.Array:
+  """Sum of float32 CE over positions whose label is not IGNORE_LABEL (labels already shifted:
+  labels[t] is the target of logits[t])."""
+  scored_BT = labels_BT != IGNORE_LABEL
+  losses_BT = optax.softmax_cross_entropy_with_integer_labels(
+      logits_BTV.astype(jnp.float32), jnp.where(scored_BT, labels_BT, 0))
+  return jnp.sum(jnp.where(scored_BT, losses_BT, 0.0))
+
+
+def chunked_cross_entropy_sum(head: Callable[[jax.Array], jax.Array], hidden_BTD: jax.Array,
+                              labels_BT: jax.Array, chunk_tokens: int) -> jax.Array:
+  """`masked_cross_entropy_sum(head(hidden_BTD), labels_BT)` without the [B, T, V] logits.
+
+  `head` maps hidden states [B, T, D] to float32 logits [B, T, V] (`HybridLM.logits_from_hidden`;
+  each chunk goes in as [1, chunk_tokens, D]). The B*T positions are cut into chunks of
+  `chunk_tokens`, the last one padded with unscored positions when it does not divide B*T (one
+  chunk of B*T or more is the whole path), and a `lax.scan` sums each chunk's CE. The chunk body
+  is rematerialised, so the backward pass recomputes a chunk's logits instead of keeping them:
+  the V-sized live buffers are [chunk_tokens, V] rather than [B, T, V] and its gradient, at the
+  cost of a second head matmul per chunk.
+  """
+  hidden_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
+  labels_N = labels_BT.reshape(-1)
+  num_tokens = labels_N.shape[0]
+  chunk = min(chunk_tokens, num_tokens)
+  num_chunks = -(-num_tokens // chunk)
+  if num_chunks == 1:  # nothing to save, and a one-step remat scan would only add a recompute
+    return masked_cross_entropy_sum(head(hidden_BTD), labels_BT)
+  pad = num_chunks * chunk - num_tokens
+  hidden_CKD = jnp.pad(hidden_ND, ((0, pad), (0, 0))).reshape(num_chunks, chunk, -1)
+  labels_CK = jnp.pad(labels_N, (0, pad), constant_values=IGNORE_LABEL).reshape(num_chunks, chunk)
+
+  @jax.checkpoint
+  def chunk_sum(hidden_KD, labels_K):
+    return masked_cross_entropy_sum(head(hidden_KD[None]), labels_K[None])
+
+  def body(total, xs):
+    return total + chunk_sum(*xs), None
+
+  total, _ = jax.lax.scan(body, jnp.float32(0.0), (hidden_CKD, labels_CK))
+  return total

@@ -6,8 +6,10 @@ stacked on a leading axis so the forward pass is one `lax.scan` whose compile ti
 with depth. `scan_layers=False` runs the same stacked parameters in a Python loop (the unscanned
 path, for debugging and for the test that both agree).
 
-Outputs: float32 logits [B, T, V]; with `return_aux=True` also `ModelAux`, which carries each LTE
-layer's router scores and retention counts for the sparsity loss and controller (§4.4-4.5).
+Outputs: float32 logits [B, T, V], or with `return_hidden=True` the hidden states before the final
+norm [B, T, D] (for a loss that applies `logits_from_hidden` chunk by chunk); with
+`return_aux=True` also `ModelAux`, which carries each LTE layer's router scores and retention
+counts for the sparsity loss and controller (§4.4-4.5).
 
 Inference runs the same blocks with caches: `Block.step` calls the mixer's `prefill` or `decode`
 method (each mixer owns both, next to its training forward) inside the block's own norms, MLP and
@@ -182,8 +184,9 @@ class HybridLM(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None,
-               return_aux: bool = False):
-    """Logits [B, T, V] float32 (and `ModelAux` if `return_aux`).
+               return_aux: bool = False, return_hidden: bool = False):
+    """Logits [B, T, V] float32, or with `return_hidden` the last group's output [B, T, D] in the
+    compute dtype (`logits_from_hidden` of it gives the logits); and `ModelAux` if `return_aux`.
 
     `dropout_key` turns on the only dropout of these models (inside the LTE router, §4.1); leave
     it None for evaluation.
@@ -192,14 +195,14 @@ class HybridLM(nnx.Module):
     validate_tokens(tokens_BT, config.vocab_size)
     h_BTD = self.embed(tokens_BT)
     h_BTD, lte_scores = self._run_groups(h_BTD, dropout_key)
-    logits_BTV = self.logits_from_hidden(h_BTD)
+    out = h_BTD if return_hidden else self.logits_from_hidden(h_BTD)
     if not return_aux:
-      return logits_BTV
+      return out
     retained = None
     if lte_scores is not None:
       retained = jax.vmap(retention_count, in_axes=(0, None))(lte_scores,
                                                               config.lte.router_margin)
-    return logits_BTV, ModelAux(lte_scores=lte_scores, lte_retained=retained)
+    return out, ModelAux(lte_scores=lte_scores, lte_retained=retained)
 
 
 def count_parameters(config: ModelConfig) -> int:

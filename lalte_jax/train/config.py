@@ -63,6 +63,11 @@ class TrainConfig:
   # `grad_accum_steps` micro-batches that run one after the other.
   global_batch_size: int = 16
   grad_accum_steps: int = 1
+  # Cross-entropy over chunks of this many of a micro-batch's B*T positions, the logits of one
+  # chunk at a time, recomputed in the backward pass (lalte_jax/loss.py): saves the float32
+  # [B, T, V] logits and their gradient for a second head matmul. Any N > 0 works (a last chunk
+  # that N does not fill is padded with unscored positions); 0 = the whole logits at once.
+  loss_chunk_tokens: int = 0
   # Optimisation (§8.1).
   steps: int = 200
   warmup_steps: int = 20
@@ -155,6 +160,8 @@ class TrainConfig:
              f"gap and prefix must be >= 0, got {self.mqar_min_gap}, {self.mqar_prefix_len}")
     _require(0 <= self.lte_routing_freeze_steps <= self.steps, "lte_routing_freeze_steps",
              f"must be in [0, steps={self.steps}], got {self.lte_routing_freeze_steps}")
+    _require(self.loss_chunk_tokens >= 0, "loss_chunk_tokens",
+             f"must be >= 0 (0 = no chunking), got {self.loss_chunk_tokens!r}")
     _require(self.step_timeout_s >= 0, "step_timeout_s",
              f"must be >= 0 (0 disables the watchdog), got {self.step_timeout_s!r}")
     _require(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data",

@@ -3,7 +3,9 @@
 One call of the step is one optimizer step k = state.step + 1 (§8.3):
 1. for each of the A micro-batches (a `lax.scan`): forward with router dropout, loss
    = CE_sum / (scored tokens of the whole step) + L_sparse / A, backward; gradients summed in
-   float32;
+   float32. With `loss_chunk_tokens` = N > 0 the CE sum is taken from the final hidden states N
+   positions at a time (`lalte_jax.loss.chunked_cross_entropy_sum`), so the micro-batch's float32
+   [B, T, V] logits and their gradient never exist at once;
 2. the controller's EMA of the retention count, and every 32 steps the lambda update (§4.6);
 3. clip to global norm 1.0, AdamW with the scheduled lr. If the gradient norm is not finite the
    update is dropped: parameters and optimizer state come back bitwise unchanged, and the step is
@@ -35,6 +37,7 @@ from flax import nnx
 
 from lalte_jax.config import ModelConfig
 from lalte_jax.data import IGNORE_LABEL
+from lalte_jax.loss import chunked_cross_entropy_sum, masked_cross_entropy_sum
 from lalte_jax.model import HybridLM
 from lalte_jax.train import optimizer as opt_lib
 from lalte_jax.train import router_warmup
@@ -106,15 +109,6 @@ def init_train_state(model_config: ModelConfig, config: TrainConfig, key: jax.Ar
       skipped_total=zero, skipped_consecutive=zero)
 
 
-def masked_cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array) -> jax.Array:
-  """Sum of float32 CE over positions whose label is not IGNORE_LABEL (labels already shifted:
-  labels[t] is the target of logits[t])."""
-  scored_BT = labels_BT != IGNORE_LABEL
-  losses_BT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV.astype(jnp.float32), jnp.where(scored_BT, labels_BT, 0))
-  return jnp.sum(jnp.where(scored_BT, losses_BT, 0.0))
-
-
 def _to_micro_batches(x_BT: jax.Array, num_micro: int) -> jax.Array:
   """[B, T] -> [A, B/A, T] with micro-batch i = rows i, i+A, i+2A, ...
 
@@ -139,13 +133,19 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
   margin = model_config.lte.router_margin if ctrl is not None else 0
   num_micro = config.grad_accum_steps
   freeze_steps = config.lte_routing_freeze_steps
+  chunk_tokens = config.loss_chunk_tokens
 
   def micro_loss(params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen):
     if freeze_steps:  # d(forward params)/d(router output bias) is 0 while frozen
       params = router_warmup.keep_every_token(params, frozen)
     model = nnx.merge(graphdef, params)
-    logits_BTV, aux = model(tokens_BT, dropout_key=key, return_aux=True)
-    ce_sum = masked_cross_entropy_sum(logits_BTV, labels_BT)
+    if chunk_tokens:  # the head runs chunk by chunk inside the loss: no [B, T, V] logits
+      hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True)
+      ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
+                                         chunk_tokens)
+    else:
+      logits_BTV, aux = model(tokens_BT, dropout_key=key, return_aux=True)
+      ce_sum = masked_cross_entropy_sum(logits_BTV, labels_BT)
     if ctrl is None:
       return ce_sum / num_scored, (ce_sum, jnp.float32(0.0), _no_lte())
     sparse = sparsity_loss(aux.lte_scores, lambda_LH, margin)

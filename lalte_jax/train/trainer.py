@@ -32,12 +32,13 @@ from flax import nnx
 
 from lalte_jax.data import IGNORE_LABEL, MQARSource, PasskeySource, curricula, heldout, make_dataset
 from lalte_jax.eval.perplexity import nll_metrics
+from lalte_jax.loss import masked_cross_entropy_sum
 from lalte_jax.train import checkpointing, export, resume, sharding
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.metrics import (MetricsLogger, flops_per_token, format_metrics,
                                      peak_flops_per_device, peak_memory_gib)
 from lalte_jax.train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
-                        masked_cross_entropy_sum, model_graphdef)
+                        model_graphdef)
 from lalte_jax.train.watchdog import StepWatchdog
 
 
