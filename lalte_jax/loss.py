@@ -31,7 +31,8 @@ def masked_cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array) -> jax
 
 def chunked_cross_entropy_sum(head: Callable[[jax.Array], jax.Array], hidden_BTD: jax.Array,
                               labels_BT: jax.Array, chunk_tokens: int) -> jax.Array:
-  """`masked_cross_entropy_sum(head(hidden_BTD), labels_BT)` without the [B, T, V] logits.
+  """`masked_cross_entropy_sum(head(hidden_BTD), labels_BT)`, without the [B, T, V] logits when
+  `chunk_tokens` > 0 (0: the whole logits at once, as one chunk).
 
   `head` maps hidden states [B, T, D] to float32 logits [B, T, V] (`HybridLM.logits_from_hidden`;
   each chunk goes in as [1, chunk_tokens, D]). The B*T positions are cut into chunks of
@@ -44,7 +45,7 @@ def chunked_cross_entropy_sum(head: Callable[[jax.Array], jax.Array], hidden_BTD
   hidden_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
   labels_N = labels_BT.reshape(-1)
   num_tokens = labels_N.shape[0]
-  chunk = min(chunk_tokens, num_tokens)
+  chunk = min(chunk_tokens or num_tokens, num_tokens)
   num_chunks = -(-num_tokens // chunk)
   if num_chunks == 1:  # nothing to save, and a one-step remat scan would only add a recompute
     return masked_cross_entropy_sum(head(hidden_BTD), labels_BT)

@@ -65,9 +65,22 @@ def load_records(out: pathlib.Path) -> list[dict]:
   return records
 
 
-def selection_accuracy(record: dict) -> float:
-  split = record["select"]
+def headline_accuracy(split: dict) -> float:
+  """A split's capped accuracy, or the uncapped one for a run without a cap (router off)."""
   return split.get("capped_accuracy", split["uncapped_accuracy"])
+
+
+def selection_accuracy(record: dict) -> float:
+  return headline_accuracy(record["select"])
+
+
+def accuracy_by_lr_seed(records: list[dict], model: str) -> dict[float, dict[int, float]]:
+  """{lr: {seed: test accuracy}} of `model`'s P = 96 runs."""
+  table = {}
+  for r in records:
+    if r["model"] == model and r["pairs"] == capacity.NUM_KV_PAIRS:
+      table.setdefault(r["lr"], {})[r["seed"]] = headline_accuracy(r["test"])
+  return table
 
 
 def choose_lrs(records: list[dict], models, lrs, pairs: int, steps: int) -> dict[str, float]:
@@ -159,15 +172,8 @@ def falsification_checks(records: list[dict], rows: dict[str, dict]) -> list[dic
   """Where laLTE could fail for a wrong implementation rather than for the setting."""
   checks = []
   name = "router off (every token kept) equals GDN+Attn within 3 points (mean over common seeds)"
-  def by_lr_seed(model):
-    table = {}
-    for r in records:
-      if r["model"] == model and r["pairs"] == capacity.NUM_KV_PAIRS:
-        test = r["test"]
-        table.setdefault(r["lr"], {})[r["seed"]] = test.get("capped_accuracy",
-                                                             test["uncapped_accuracy"])
-    return table
-  attn, off = by_lr_seed("gdn_attn"), by_lr_seed(capacity.ROUTER_OFF)
+  attn = accuracy_by_lr_seed(records, "gdn_attn")
+  off = accuracy_by_lr_seed(records, capacity.ROUTER_OFF)
   means = {}
   for lr in set(attn) & set(off):
     seeds = sorted(set(attn[lr]) & set(off[lr]))

@@ -37,7 +37,7 @@ from flax import nnx
 
 from lalte_jax.config import ModelConfig
 from lalte_jax.data import IGNORE_LABEL
-from lalte_jax.loss import chunked_cross_entropy_sum, masked_cross_entropy_sum
+from lalte_jax.loss import chunked_cross_entropy_sum
 from lalte_jax.model import HybridLM
 from lalte_jax.train import optimizer as opt_lib
 from lalte_jax.train import router_warmup
@@ -139,13 +139,10 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
     if freeze_steps:  # d(forward params)/d(router output bias) is 0 while frozen
       params = router_warmup.keep_every_token(params, frozen)
     model = nnx.merge(graphdef, params)
-    if chunk_tokens:  # the head runs chunk by chunk inside the loss: no [B, T, V] logits
-      hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True)
-      ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
-                                         chunk_tokens)
-    else:
-      logits_BTV, aux = model(tokens_BT, dropout_key=key, return_aux=True)
-      ce_sum = masked_cross_entropy_sum(logits_BTV, labels_BT)
+    # The head runs inside the loss, chunk by chunk when chunk_tokens > 0: no [B, T, V] logits.
+    hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True)
+    ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
+                                       chunk_tokens)
     if ctrl is None:
       return ce_sum / num_scored, (ce_sum, jnp.float32(0.0), _no_lte())
     sparse = sparsity_loss(aux.lte_scores, lambda_LH, margin)

@@ -165,7 +165,8 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
       global_batch_size=scale.batch, steps=steps,
       warmup_steps=min(scale.warmup_steps, steps - 1), lr=spec.lr, lr_min_ratio=0.1,
       lte_update_every=scale.lte_update_every, lte_routing_freeze_steps=freeze,
-      lte_lambda_max=BOUNDED_LAMBDA_MAX if spec.model == "lalte_bounded" else 1.0,
+      lte_lambda_max={"lalte_bounded": BOUNDED_LAMBDA_MAX}.get(spec.model,
+                                                              TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",
       log_every=scale.log_every, eval_batches=4, checkpoint_every=scale.checkpoint_every,
       checkpoint_keep=1, tensorboard=False, progress_bar=False)
