@@ -128,9 +128,12 @@ def decode_step(model, token, cache: ModelCache, *, validate: bool = True
 
 def decode_step_fn(model):
   """`decode_step` without per-call checks or model splitting, for benchmarks and custom loops:
-  returns `step(token_B, cache) -> (logits_BV, cache)` (the cache is donated)."""
+  returns `step(token_B, cache) -> (logits_BV, cache)` (the cache is donated);
+  `step.lower(token_B, cache)` lowers it (e.g. for the compiled HLO) without running it."""
   graphdef, state = nnx.split(model)
-  return lambda token_B, cache: _decode_jit(graphdef, state, token_B, cache)
+  step = functools.partial(_decode_jit, graphdef, state)
+  step.lower = functools.partial(_decode_jit.lower, graphdef, state)
+  return step
 
 
 @flax.struct.dataclass

@@ -141,8 +141,9 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
     model = nnx.merge(graphdef, params)
     # The head runs inside the loss, chunk by chunk when chunk_tokens > 0: no [B, T, V] logits.
     hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True)
-    ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
-                                       chunk_tokens)
+    with jax.named_scope("cross_entropy_loss"):  # names its ops in profiles (step_profile.py)
+      ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
+                                         chunk_tokens)
     if ctrl is None:
       return ce_sum / num_scored, (ce_sum, jnp.float32(0.0), _no_lte())
     sparse = sparsity_loss(aux.lte_scores, lambda_LH, margin)
@@ -205,19 +206,21 @@ def make_train_step(graphdef: nnx.GraphDef, model_config: ModelConfig, config: T
         controller = jax.tree.map(lambda held, new: jnp.where(frozen, held, new), initial,
                                   controller)
 
-    clipped, grad_norm = opt_lib.clip_by_global_norm(grads, config.clip_norm)
-    finite = jnp.isfinite(grad_norm)
-    updates, new_opt_state = tx.update(clipped, state.opt_state, state.params)
-    lr = opt_lib.learning_rate(config, state.step)  # 0-based index of this optimizer step
-    new_params = opt_lib.apply_updates(state.params, updates, lr)
-    if freeze_steps:
-      new_params = router_warmup.hold_routers(new_params, state.params, frozen)
-    # Select, never blend: the old leaves come back bit for bit when the step is skipped.
-    keep_new = lambda new, old: jnp.where(finite, new, old)
+    with jax.named_scope("optimizer_update"):  # names its ops in profiles (step_profile.py)
+      clipped, grad_norm = opt_lib.clip_by_global_norm(grads, config.clip_norm)
+      finite = jnp.isfinite(grad_norm)
+      updates, new_opt_state = tx.update(clipped, state.opt_state, state.params)
+      lr = opt_lib.learning_rate(config, state.step)  # 0-based index of this optimizer step
+      new_params = opt_lib.apply_updates(state.params, updates, lr)
+      if freeze_steps:
+        new_params = router_warmup.hold_routers(new_params, state.params, frozen)
+      # Select, never blend: the old leaves come back bit for bit when the step is skipped.
+      keep_new = lambda new, old: jnp.where(finite, new, old)
+      new_params = jax.tree.map(keep_new, new_params, state.params)
+      new_opt_state = jax.tree.map(keep_new, new_opt_state, state.opt_state)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
     new_state = state.replace(
-        step=step, params=jax.tree.map(keep_new, new_params, state.params),
-        opt_state=jax.tree.map(keep_new, new_opt_state, state.opt_state),
+        step=step, params=new_params, opt_state=new_opt_state,
         controller=controller, skipped_total=state.skipped_total + skipped,
         skipped_consecutive=jnp.where(finite, 0, state.skipped_consecutive + 1))
     ce_loss = stats["ce_sum"] / stats["num_scored"]
