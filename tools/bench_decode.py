@@ -3,6 +3,7 @@
     python tools/bench_decode.py                      # 1.4b laLTE, GDN+SWA, GDN+Attn; B=32; 1K..64K
     python tools/bench_decode.py --presets lalte-tiny gdn_attn-tiny --contexts 64 128 --batch 2
     python tools/bench_decode.py --presets lansa-1.4b lansa-0.4b --contexts 4096 16384 65536
+    python tools/bench_decode.py --presets lalte-1.4b --contexts 4096 --profile  # GPU time by op
 
 Random weights: float32, or with `--param-dtype bfloat16` bfloat16 matrices as a server holds them
 (`lalte_jax.inference.param_dtype`). For each preset and context length L the cache is set directly
@@ -17,11 +18,16 @@ model incl. the LM head) after `--warmup` steps, the batch's tokens/s, and the c
 sequence. laLTE also gets the time of a step that runs the lazy rescoring of its ring (§5.4), which
 happens once every W - 2 * margin = 757 steps and is excluded from the median. Prints a markdown
 table and the command line; an out-of-memory context prints "OOM" and the run continues.
+`--json PATH` also writes the rows. `--profile` traces `--profile_steps` more steps per row and
+breaks their GPU time down by op class (Pallas kernels, matmuls, XLA fusions, copies such as a
+whole cache copied per step, host gaps: tools/step_profile.py), printed as a table per row and
+written to the JSON ("profile").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -37,6 +43,8 @@ from lalte_jax.inference.caches import GDNCache, cache_bytes
 from lalte_jax.inference.param_dtype import (PARAM_DTYPE_HELP, PARAM_DTYPES,
                                              cast_params_for_inference)
 from lalte_jax.model import HybridLM
+
+import step_profile  # tools/step_profile.py
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn_attn-1.4b")
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -108,15 +116,20 @@ def timed_steps(step, token_B, cache, count: int):
   return times, cache
 
 
-def bench_one(model, batch: int, context: int, steps: int, warmup: int) -> dict:
+def bench_one(model, batch: int, context: int, steps: int, warmup: int,
+              profile_steps: int = 0) -> dict:
   config = model.config
   step = gen.decode_step_fn(model)
-  cache = synthetic_cache(model, batch, context, extra=warmup + steps + 8)
+  cache = synthetic_cache(model, batch, context, extra=warmup + steps + profile_steps + 9)
   per_sequence = cache_bytes(cache) / batch
   token_B = jnp.asarray(np.arange(batch) % config.vocab_size, jnp.int32)
   _, cache = timed_steps(step, token_B, cache, warmup)
   times, cache = timed_steps(step, token_B, cache, steps)
   result = {"ms": 1e3 * statistics.median(times), "bytes": per_sequence, "rescore_ms": None}
+  if profile_steps:  # the same step traced, after one more warm-up step (profile_step's)
+    hlo_text = step.lower(token_B, cache).compile().as_text()
+    result["profile"], cache = step_profile.profile_step(
+        lambda carried: step(token_B, carried)[1], cache, hlo_text, steps=profile_steps)
   if "lte" in config.layer_pattern:
     rescores = []
     for _ in range(3):
@@ -149,14 +162,22 @@ def main(argv: list[str] | None = None) -> None:
                       help=PARAM_DTYPE_HELP)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace --profile_steps steps per row and break their GPU time"
+                           " down by op class (tools/step_profile.py)")
+  parser.add_argument("--profile_steps", type=int, default=10, help="steps traced by --profile")
+  parser.add_argument("--json", default="", help="also write the rows (a JSON list) here")
   args = parser.parse_args(argv)
+  if args.profile_steps <= 0:
+    parser.error(f"--profile_steps must be positive, got {args.profile_steps}")
 
   rows = []
   for name in args.presets:
     model = build_model(name, args.dtype, args.param_dtype)
     for context in args.contexts:
       try:
-        result = bench_one(model, args.batch, context, args.steps, args.warmup)
+        result = bench_one(model, args.batch, context, args.steps, args.warmup,
+                           args.profile_steps if args.profile else 0)
       except Exception as error:  # pylint: disable=broad-except
         if not is_out_of_memory(error):
           raise
@@ -183,6 +204,18 @@ def main(argv: list[str] | None = None) -> None:
     rescore = "" if result["rescore_ms"] is None else f"{result['rescore_ms']:.2f}"
     print(f"| {name} | {context} | {result['ms']:.2f} | {args.batch / result['ms'] * 1e3:.0f} |"
           f" {result['bytes'] / 2**20:.2f} | {rescore} |")
+  for name, context, result in rows:
+    if result is not None and "profile" in result:
+      print("\n" + step_profile.markdown(
+          result["profile"], f"{name} decode step: context {context}, batch {args.batch},"
+          f" {args.dtype} activations, {args.param_dtype} parameters, {device.device_kind}"))
+  if args.json:
+    common = {"batch": args.batch, "dtype": args.dtype, "param_dtype": args.param_dtype,
+              "device_kind": device.device_kind, "steps": args.steps, "warmup": args.warmup}
+    with open(args.json, "w") as f:
+      json.dump([{"preset": name, "context": context, **common,
+                  **({"status": "oom"} if result is None else {"status": "ok", **result})}
+                 for name, context, result in rows], f, indent=1)
 
 
 if __name__ == "__main__":

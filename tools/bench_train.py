@@ -4,6 +4,7 @@
     python tools/bench_train.py --presets lalte-1.4b --batch 2 --remat block   # does it fit?
     python tools/bench_train.py --presets lansa-1.4b --batch 1                 # laNSA at 1.4b
     python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
+    python tools/bench_train.py --presets gdn_swa-0.4b --batch 4 --profile  # GPU time by op class
 
 The step is the one `python -m lalte_jax.train` runs: `lalte_jax.train.trainer.Trainer` builds it (AdamW, float32
 master weights, `--dtype` compute, `--remat`, gradient accumulation over `--grad_accum`
@@ -24,7 +25,10 @@ recompute included, custom kernels not) is reported next to it where the backend
 Each preset runs in a fresh child process (default), so that its peak memory is its own and an
 out-of-memory preset cannot leave the next one fragmented memory. RESOURCE_EXHAUSTED (at compile
 or run time) is reported as status "oom" and the benchmark continues with the next preset.
-Prints one JSON line per preset and a markdown table; `--json PATH` writes the list.
+Prints one JSON line per preset and a markdown table; `--json PATH` writes the list. `--profile`
+then traces `--profile_steps` more steps and adds their GPU time by op class (Pallas kernels,
+matmuls, cuDNN, XLA fusions, copies, collectives, host gaps: tools/step_profile.py) to each
+result ("profile") and prints it as a table per preset.
 Exit status: 0 when every preset ran or was out of memory, 1 when one failed otherwise.
 """
 
@@ -75,6 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--mem_fraction", type=float, default=None,
                       help="GPU memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION; default:"
                            " JAX's, 0.75 of the GPU)")
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace --profile_steps steps and break their GPU time down by op"
+                           " class (tools/step_profile.py)")
+  parser.add_argument("--profile_steps", type=int, default=3, help="steps traced by --profile")
   parser.add_argument("--json", default="", help="also write the results (a JSON list) here")
   parser.add_argument("--timeout_s", type=int, default=3600,
                       help="per-preset limit of a child process")
@@ -82,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="run the presets in this process, one after another (peak memory is"
                            " then the maximum so far)")
   args = parser.parse_args(argv)
-  for name in ("seq_len", "batch", "grad_accum", "mesh_fsdp", "steps", "timeout_s"):
+  for name in ("seq_len", "batch", "grad_accum", "mesh_fsdp", "steps", "timeout_s",
+               "profile_steps"):
     if getattr(args, name) <= 0:
       parser.error(f"--{name} must be positive, got {getattr(args, name)}")
   if args.warmup < 0:
@@ -171,6 +180,11 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   memory = jax.local_devices()[0].memory_stats() or {}
   result["memory_limit_gib"] = (memory["bytes_limit"] / 2**30 if "bytes_limit" in memory
                                 else None)  # what JAX may use: see --mem_fraction
+  if args.profile:  # the same compiled step, traced
+    import step_profile  # pylint: disable=import-outside-toplevel
+    result["profile"], _ = step_profile.profile_step(
+        lambda carried: compiled(carried, batch)[0], state, compiled.as_text(),
+        steps=args.profile_steps)
   return result
 
 
@@ -254,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
   if not args.in_process or len(results) > 1:
     print(markdown_table(results))
     print("command: python tools/bench_train.py " + " ".join(argv))
+  if args.profile:
+    import step_profile  # pylint: disable=import-outside-toplevel
+    for r in results:
+      if "profile" in r:
+        print("\n" + step_profile.markdown(
+            r["profile"], f"{r['preset']} train step: T {r['seq_len']}, batch {r['global_batch']},"
+            f" {r['dtype']}, remat {r['remat']}, {r['device_kind']}"))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
   return 0 if all(r["status"] in ("ok", "oom") for r in results) else 1

@@ -1,5 +1,5 @@
-"""tools/bench_train.py: a CPU smoke run of a tiny preset through the default child-process path,
-and the out-of-memory classification and command-line plumbing it relies on."""
+"""tools/bench_train.py: a CPU smoke run of a tiny preset through the default child-process path
+(with --profile), and the out-of-memory classification and command-line plumbing it relies on."""
 
 import json
 import pathlib
@@ -20,7 +20,7 @@ def test_tiny_preset_runs_and_reports(tmp_path, children):
   done = children.run(
       [sys.executable, str(SCRIPT), "--presets", "lalte-tiny", "--seq_len", "64", "--steps", "2",
        "--warmup", "1", "--batch", "2", "--grad_accum", "2", "--remat", "block",
-       "--json", str(output)],
+       "--profile", "--profile_steps", "1", "--json", str(output)],
       cwd=tmp_path, env=env, timeout=900)
   assert done.returncode == 0, done.stderr[-4000:]
   (result,) = json.loads(output.read_text())
@@ -32,6 +32,11 @@ def test_tiny_preset_runs_and_reports(tmp_path, children):
   assert result["mfu"] is None  # CPU: no datasheet peak
   assert 0 < result["final_loss"] < 10  # random tokens over a 256-token vocabulary: ~ln 256
   assert "| lalte-tiny | ok | 64 | 2 x 2 | block |" in done.stdout
+  profile = result["profile"]  # the same step traced on the CPU: its XLA thunks by class
+  assert profile["source"] == "CPU thunks" and profile["module"] == "jit_train_step"
+  classes = {row["class"] for row in profile["classes"]}
+  assert {"matmul", "XLA: optimizer update", "XLA: remat recompute"} <= classes
+  assert "#### lalte-tiny train step: T 64, batch 4, bfloat16, remat block, cpu" in done.stdout
 
 
 def test_out_of_memory_is_recognised_and_reported(monkeypatch):
