@@ -61,6 +61,7 @@ SCOPE_CLASSES = (("optimizer_update", "XLA: optimizer update"),
                  ("rematted_computation", "XLA: remat recompute"))
 GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|nvjet|xmma", re.IGNORECASE)
 TOP_KERNELS = 5
+UNMAPPED_SAMPLE = 10  # kernels without an instruction, listed in the result to show why
 GPU_SOURCE, CPU_SOURCE = "GPU kernels", "CPU thunks"
 
 
@@ -177,6 +178,17 @@ def classify(op: HloOp | None, kernel: str) -> str:
   return "XLA: elementwise / loop"
 
 
+def _instruction(hlo: HloModule, event: DeviceEvent) -> HloOp | None:
+  """The instruction a kernel ran: its `hlo_op` stat as written in the HLO text or in XLA's
+  kernel-name spelling, else the kernel's own name (XLA names kernels after instructions)."""
+  if event.hlo_op:
+    name = event.hlo_op.lstrip("%")
+    op = hlo.ops.get(name) or hlo.by_kernel_name.get(re.sub(r"[.\-]", "_", name))
+    if op is not None:
+      return op
+  return hlo.by_kernel_name.get(event.name)
+
+
 def _union_ns(events: list[DeviceEvent]) -> float:
   """Length of the union of the events' [start, end) intervals."""
   total, end = 0.0, float("-inf")
@@ -193,9 +205,9 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
   """Per-step times by class of `steps` traced steps (see the module doc); a JSON-ready dict."""
   steps_of_module = any(e.hlo_module == hlo.name for e in events)
   classes: dict[str, dict[str, list[float]]] = {}  # class -> kernel -> [launches, ns]
-  counted, mapped_ns = [], 0.0
+  counted, mapped_ns, unmapped = [], 0.0, {}
   for event in events:
-    op = hlo.ops.get(event.hlo_op) if event.hlo_op else hlo.by_kernel_name.get(event.name)
+    op = _instruction(hlo, event)
     if source == CPU_SOURCE and op is not None and op.opcode in CONTAINER_OPCODES:
       continue
     if steps_of_module and event.hlo_module not in (None, hlo.name):
@@ -203,6 +215,9 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
     else:
       name = classify(op, event.name)
       mapped_ns += event.duration_ns if op is not None else 0.0
+      if op is None and len(unmapped) < UNMAPPED_SAMPLE:
+        unmapped.setdefault(event.name, {"kernel": event.name, "hlo_op": event.hlo_op,
+                                         "hlo_module": event.hlo_module})
     kernel = classes.setdefault(name, {}).setdefault(event.name, [0, 0.0])
     kernel[0] += 1
     kernel[1] += event.duration_ns
@@ -225,7 +240,7 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
   return {"source": source, "module": hlo.name, "steps": steps, "wall_ms": wall_ms,
           "busy_ms": busy_ms, "idle_ms": wall_ms - busy_ms, "span_ms": per_step_ms(span_ns),
           "kernel_ms": per_step_ms(kernel_ns), "mapped_share": mapped_ns / kernel_ns,
-          "classes": rows}
+          "unmapped_sample": list(unmapped.values()), "classes": rows}
 
 
 def _profiler_options():
