@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="sequences per device per micro-batch")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
   parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+  parser.add_argument("--loss_chunk_tokens", type=int, default=0,
+                      help="TrainConfig.loss_chunk_tokens (0: the whole logits at once)")
   parser.add_argument("--implementation", default=None, choices=("xla", "pallas"),
                       help="kernel version of every token mixer (default: the platform's fastest)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -136,7 +138,8 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   config = TrainConfig(variant=variant, size=size, model_dtype=args.dtype, remat=args.remat,
                        data="mqar", seq_len=args.seq_len, num_train_examples=global_batch,
                        global_batch_size=global_batch, grad_accum_steps=args.grad_accum,
-                       steps=1000, warmup_steps=10, mesh_fsdp=args.mesh_fsdp,
+                       loss_chunk_tokens=args.loss_chunk_tokens, steps=1000, warmup_steps=10,
+                       mesh_fsdp=args.mesh_fsdp,
                        peak_tflops_per_device=args.peak_tflops, progress_bar=False,
                        tensorboard=False)
   if args.implementation is not None:
@@ -146,6 +149,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   result = {"preset": preset, "implementation": args.implementation or "default",
             "seq_len": args.seq_len, "batch_per_device": args.batch,
             "grad_accum": args.grad_accum, "global_batch": global_batch, "remat": args.remat,
+            "loss_chunk_tokens": args.loss_chunk_tokens,
             "dtype": args.dtype, "mesh_fsdp": args.mesh_fsdp, "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind}
   trainer = Trainer(config, mesh=mesh, logger=MetricsLogger("", total_steps=1, enabled=False))
