@@ -27,21 +27,37 @@ def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
   return tuple((2 * head_dim) >> i for i in range(num_layers + 1))
 
 
-def same_padded_taps(x_BTHC: jax.Array, kernel_size: int, dilation: int) -> jax.Array:
-  """[B, T, K, H, C]: for each tap i the input shifted by (i - K//2) * dilation, zero outside."""
+def grouped_conv_same(h_KBTC: jax.Array, weight_KICO: jax.Array, dilation: int) -> jax.Array:
+  """Per-head 1-D convolution with 'same' zero padding, float32 [K, B, T, O].
+
+  One batched matmul (heads leading, so no transpose) gives every tap's output y_i = h W_i at
+  once; shifting y_i by the tap's offset and summing equals shifting the input (the conv is linear
+  per position and zeros stay zeros), without stacking shifted copies of the input.
+  """
+  heads, batch, length, _ = h_KBTC.shape
+  kernel_size, c_out = weight_KICO.shape[1], weight_KICO.shape[3]
+  y_KBTIO = jnp.einsum("kbtc,kico->kbtio", h_KBTC, weight_KICO,
+                       preferred_element_type=jnp.float32)
   half = (kernel_size // 2) * dilation
-  length = x_BTHC.shape[1]
-  padded = jnp.pad(x_BTHC, ((0, 0), (half, half), (0, 0), (0, 0)))
-  return jnp.stack([padded[:, i * dilation:i * dilation + length] for i in range(kernel_size)],
-                   axis=2)
+  padded_KBTIO = jnp.pad(y_KBTIO, ((0, 0), (0, 0), (half, half), (0, 0), (0, 0)))
+  out_KBTO = jnp.zeros((heads, batch, length, c_out), jnp.float32)
+  for i in range(kernel_size):  # out[t] = sum_i y_i[t + i * dilation - half]
+    out_KBTO = out_KBTO + padded_KBTIO[:, :, i * dilation:i * dilation + length, i]
+  return out_KBTO
 
 
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-  """Inverted dropout; identity when `key` is None (evaluation) or rate is 0."""
+def dropout_heads_first(x_KBTC: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+  """Inverted dropout; identity when `key` is None (evaluation) or rate is 0.
+
+  The mask is drawn token-major ([B, T, K, C]) and transposed, so a key drops the same units as
+  it would for the token-major activations of the layer's other tensors.
+  """
   if key is None or rate == 0.0:
-    return x
-  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    return x_KBTC
+  heads, batch, length, channels = x_KBTC.shape
+  keep_KBTC = jnp.transpose(
+      jax.random.bernoulli(key, 1.0 - rate, (batch, length, heads, channels)), (2, 0, 1, 3))
+  return jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
 
 
 class LTERouter(nnx.Module):
@@ -72,22 +88,22 @@ class LTERouter(nnx.Module):
     """
     lte = self.config
     dtype = k_BTKD.dtype
-    h_BTKC = jnp.concatenate([k_BTKD, v_BTKD], axis=-1)  # channels: key dims, then value dims
-    mask_BT11 = None if mask_BT is None else mask_BT[:, :, None, None].astype(dtype)
-    if mask_BT11 is not None:
-      h_BTKC = h_BTKC * mask_BT11
+    # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
+    h_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then value dims
+                           (2, 0, 1, 3))
+    mask_1BT1 = None if mask_BT is None else mask_BT[None, :, :, None].astype(dtype)
+    if mask_1BT1 is not None:
+      h_KBTC = h_KBTC * mask_1BT1
     layer_keys = ([None] * len(self.conv_weights) if dropout_key is None else
                   list(jax.random.split(dropout_key, len(self.conv_weights))))
-    for weight, bias, kernel_size, dilation, key in zip(
-        self.conv_weights, self.conv_biases, lte.router_kernel_sizes, lte.router_dilations,
-        layer_keys):
-      h_BTKC = dropout(h_BTKC, lte.router_dropout, key)
-      taps_BTIKC = same_padded_taps(h_BTKC, kernel_size, dilation)
-      h_BTKC = jnp.einsum("btikc,kico->btko", taps_BTIKC, weight[...].astype(dtype)) + \
-          bias[...].astype(dtype)
-      if mask_BT11 is not None:
-        h_BTKC = h_BTKC * mask_BT11
-      h_BTKC = jax.nn.silu(h_BTKC)
-    logit_BTK = jnp.einsum("btkc,kc->btk", h_BTKC, self.proj_weight[...].astype(dtype)) + \
-        self.proj_bias[...].astype(dtype)
-    return jax.nn.sigmoid(logit_BTK.astype(jnp.float32)) - 0.5
+    for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,
+                                           lte.router_dilations, layer_keys):
+      h_KBTC = dropout_heads_first(h_KBTC, lte.router_dropout, key)
+      h_KBTC = (grouped_conv_same(h_KBTC, weight[...].astype(dtype), dilation)
+                + bias[...][:, None, None, :]).astype(dtype)
+      if mask_1BT1 is not None:
+        h_KBTC = h_KBTC * mask_1BT1
+      h_KBTC = jax.nn.silu(h_KBTC)
+    logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, self.proj_weight[...].astype(dtype),
+                           preferred_element_type=jnp.float32) + self.proj_bias[...][:, None, None]
+    return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5

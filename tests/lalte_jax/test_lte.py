@@ -160,6 +160,30 @@ def test_router_reads_exactly_six_tokens_each_side():
     assert (moved > 0) == should_change, (offset, moved)
 
 
+def test_router_equals_grouped_dilated_convolutions():
+  """The router is the reference's CNN: per layer a grouped (groups = Hkv) Conv1d with 'same'
+  zero padding and its dilation, then SiLU; a per-head 1x1 projection; sigmoid - 0.5."""
+  lte = LTEConfig(num_heads=4, num_kv_heads=2, head_dim=8, router_kernel_sizes=(3, 5, 3),
+                  router_dilations=(2, 1, 3))
+  router = LTERouter(lte, rngs=nnx.Rngs(0))
+  k, v = router_inputs(4, 33, lte)
+  heads = lte.num_kv_heads
+  h_BTC = jnp.concatenate([k, v], -1).reshape(1, 33, -1)  # channels grouped by head
+  for weight, bias, dilation in zip(router.conv_weights, router.conv_biases, lte.router_dilations):
+    _, size, c_in, c_out = weight.shape
+    kernel_TIO = jnp.transpose(weight[...], (1, 2, 0, 3)).reshape(size, c_in, heads * c_out)
+    half = (size // 2) * dilation
+    h_BTC = jax.lax.conv_general_dilated(
+        h_BTC, kernel_TIO, window_strides=(1,), padding=[(half, half)], rhs_dilation=(dilation,),
+        dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=heads,
+        precision=jax.lax.Precision.HIGHEST)
+    h_BTC = jax.nn.silu(h_BTC + bias[...].reshape(-1))
+  logit_BTK = jnp.einsum("btkc,kc->btk", h_BTC.reshape(1, 33, heads, -1), router.proj_weight[...],
+                         precision=jax.lax.Precision.HIGHEST) + router.proj_bias[...]
+  np.testing.assert_allclose(np.asarray(router(k, v)), np.asarray(jax.nn.sigmoid(logit_BTK) - 0.5),
+                             atol=2e-6)
+
+
 def test_router_score_range_and_parameter_count_per_head():
   lte = LTEConfig(num_heads=16, num_kv_heads=16, head_dim=64)
   router = LTERouter(lte, rngs=nnx.Rngs(0))
