@@ -62,6 +62,7 @@ SCOPE_CLASSES = (("optimizer_update", "XLA: optimizer update"),
 GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|nvjet|xmma", re.IGNORECASE)
 TOP_KERNELS = 20  # per class in the JSON result; the markdown table shows the first TABLE_KERNELS
 TABLE_KERNELS = 5
+OP_NAME_CHARS = 160  # of a top kernel's jax name stack, kept in the JSON result
 UNMAPPED_SAMPLE = 10  # kernels without an instruction, listed in the result to show why
 GPU_SOURCE, CPU_SOURCE = "GPU kernels", "CPU thunks"
 
@@ -206,7 +207,7 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
   """Per-step times by class of `steps` traced steps (see the module doc); a JSON-ready dict."""
   steps_of_module = any(e.hlo_module == hlo.name for e in events)
   classes: dict[str, dict[str, list[float]]] = {}  # class -> kernel -> [launches, ns]
-  counted, mapped_ns, unmapped = [], 0.0, {}
+  counted, mapped_ns, unmapped, op_names = [], 0.0, {}, {}
   for event in events:
     op = _instruction(hlo, event)
     if source == CPU_SOURCE and op is not None and op.opcode in CONTAINER_OPCODES:
@@ -222,6 +223,8 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
     kernel = classes.setdefault(name, {}).setdefault(event.name, [0, 0.0])
     kernel[0] += 1
     kernel[1] += event.duration_ns
+    if op is not None and op.op_name:
+      op_names.setdefault(event.name, op.op_name[:OP_NAME_CHARS])
     counted.append(event)
   kernel_ns = sum(e.duration_ns for e in counted)
   if not kernel_ns:
@@ -233,7 +236,8 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
     class_ns = sum(ns for _, ns in kernels.values())
     rows.append({"class": name, "ms": per_step_ms(class_ns), "share": class_ns / kernel_ns,
                  "launches": sum(n for n, _ in kernels.values()) / steps,
-                 "top": [{"kernel": kernel, "ms": per_step_ms(ns), "launches": n / steps}
+                 "top": [{"kernel": kernel, "ms": per_step_ms(ns), "launches": n / steps,
+                          "op_name": op_names.get(kernel, "")}
                          for kernel, (n, ns) in ranked[:TOP_KERNELS]]})
   rows.sort(key=lambda row: row["ms"], reverse=True)
   busy_ms, wall_ms = per_step_ms(_union_ns(counted)), 1e3 * wall_s / steps
