@@ -179,8 +179,10 @@ def test_breakdown_per_step_times_shares_top_kernels_and_host_gaps(step_profile)
   assert rows["matmul"]["ms"] == pytest.approx(0.035) and rows["matmul"]["launches"] == 1.5
   assert rows["matmul"]["share"] == pytest.approx(70 / 134)
   assert rows["matmul"]["top"] == [
-      {"kernel": "gemm_kernel", "ms": pytest.approx(0.03), "launches": 1.0},
-      {"kernel": "cublas_gemm_small", "ms": pytest.approx(0.005), "launches": 0.5}]
+      {"kernel": "gemm_kernel", "ms": pytest.approx(0.03), "launches": 1.0,
+       "op_name": "jit(train_step)/jvp()/dot_general"},
+      {"kernel": "cublas_gemm_small", "ms": pytest.approx(0.005), "launches": 0.5,
+       "op_name": "jit(train_step)/dot_general"}]
   assert rows["other programs"]["top"][0]["kernel"] == "convert_fusion"
   table = step_profile.markdown({**result, "device": "/device:GPU:0"}, "a step")
   assert "| pallas: masked_attention_fwd | 0.020 | 29.9% | 1 | `masked_attention_fwd` 0.020 x1 |" \
