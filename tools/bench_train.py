@@ -4,6 +4,7 @@
     python tools/bench_train.py --presets lalte-1.4b --batch 2 --remat block   # does it fit?
     python tools/bench_train.py --presets lansa-1.4b --batch 1                 # laNSA at 1.4b
     python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
+    python tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --lte_kept_fraction 0.125
     python tools/bench_train.py --presets gdn_swa-0.4b --batch 4 --profile  # GPU time by op class
 
 The step is the one `python -m lalte_jax.train` runs: `lalte_jax.train.trainer.Trainer` builds it (AdamW, float32
@@ -21,6 +22,12 @@ token for the matmul parameters + the attention / delta-rule mixer terms, forwar
 remat recompute) over `lalte_jax.train.metrics.peak_flops_per_device` (dense bf16 datasheet peak;
 `--peak_tflops` overrides). XLA's own count of the compiled step (`xla_flops_per_step`: remat
 recompute included, custom kernels not) is reported next to it where the backend gives one.
+
+laLTE's attention cost follows how many tokens its routers keep: as initialised they keep nearly
+every token (output bias +0.5), which costs what full attention costs, while training soon holds
+the count at the controller's target (b of T). `--lte_kept_fraction F` shifts the routers' output
+biases so that a share F is kept per layer and head on the bench batch (0.125 = the paper's
+b/T = 512/4096); the result records the share kept in the last timed step.
 
 Each preset runs in a fresh child process (default), so that its peak memory is its own and an
 out-of-memory preset cannot leave the next one fragmented memory. RESOURCE_EXHAUSTED (at compile
@@ -66,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="sequences per device per micro-batch")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
   parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+  parser.add_argument("--lte_kept_fraction", type=float, default=None,
+                      help="shift the LTE routers' output biases so that this fraction of the"
+                           " tokens is kept per layer and head on the bench batch (the state the"
+                           " sparsity controller drives training to; default: as initialised)")
   parser.add_argument("--loss_chunk_tokens", type=int, default=0,
                       help="TrainConfig.loss_chunk_tokens (0: the whole logits at once)")
   parser.add_argument("--implementation", default=None, choices=("xla", "pallas"),
@@ -150,6 +161,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
             "seq_len": args.seq_len, "batch_per_device": args.batch,
             "grad_accum": args.grad_accum, "global_batch": global_batch, "remat": args.remat,
             "loss_chunk_tokens": args.loss_chunk_tokens,
+            "lte_kept_fraction_set": args.lte_kept_fraction,
             "dtype": args.dtype, "mesh_fsdp": args.mesh_fsdp, "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind}
   trainer = Trainer(config, mesh=mesh, logger=MetricsLogger("", total_steps=1, enabled=False))
@@ -158,6 +170,9 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   tokens = np.random.default_rng(0).integers(0, vocab_size, (rows, args.seq_len), np.int32)
   batch = sharding.global_batch(with_labels({"tokens": tokens}), mesh)
 
+  if args.lte_kept_fraction is not None and trainer.model_config.num_lte_layers:
+    trainer.state = trainer.state.replace(params=calibrated_lte_biases(
+        trainer.state.params, trainer.model_config, batch["tokens"], args.lte_kept_fraction))
   start = time.perf_counter()
   compiled = trainer.step_fn.lower(trainer.state, batch).compile()
   result["compile_s"] = time.perf_counter() - start
@@ -184,12 +199,52 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   memory = jax.local_devices()[0].memory_stats() or {}
   result["memory_limit_gib"] = (memory["bytes_limit"] / 2**30 if "bytes_limit" in memory
                                 else None)  # what JAX may use: see --mem_fraction
+  if trainer.model_config.num_lte_layers:  # kept share of the last timed step's batch
+    retained_LH = np.asarray(sharding.to_host(metrics["lte_retained"]))
+    result["lte_kept_fraction"] = float(retained_LH.mean()) / (
+        args.seq_len - trainer.model_config.lte.router_margin)
   if args.profile:  # the same compiled step, traced
     import step_profile  # pylint: disable=import-outside-toplevel
     result["profile"], _ = step_profile.profile_step(
         lambda carried: compiled(carried, batch)[0], state, compiled.as_text(),
         steps=args.profile_steps)
   return result
+
+
+def calibrated_lte_biases(params: dict, model_config, tokens_BT, fraction: float,
+                          rounds: int = 2) -> dict:
+  """`params` with each LTE router's output bias shifted per head so that a share `fraction` of
+  the tokens of `tokens_BT` get a score > 0 (are kept). A model at initialisation keeps most
+  tokens (output bias +0.5), so its attention costs nearly what full attention costs; training
+  soon brings the retention count to the controller's target (b of T tokens), which this
+  reproduces. Later layers' inputs move with earlier layers' biases, hence a few rounds."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from lalte_jax.train import router_warmup  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.step import model_graphdef  # pylint: disable=import-outside-toplevel
+
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f"--lte_kept_fraction: {fraction} is not in (0, 1]")
+  graphdef = model_graphdef(model_config)
+  scores_fn = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, return_aux=True)[1].lte_scores)
+  group_pattern = model_config.layer_pattern[:model_config.pattern_period]
+  lte_positions = [i for i, kind in enumerate(group_pattern) if kind == "lte"]
+  for _ in range(rounds):
+    scores_LBTH = scores_fn(params, tokens_BT).astype(jnp.float32)
+    logits_LBTH = jnp.log(0.5 + scores_LBTH) - jnp.log(0.5 - scores_LBTH)  # sigmoid's inverse
+    threshold_LH = jnp.quantile(logits_LBTH, 1.0 - fraction, axis=(1, 2))
+    threshold_GPH = threshold_LH.reshape(-1, len(lte_positions), threshold_LH.shape[-1])
+
+    def shift(path, leaf):
+      names = router_warmup.path_names(path)
+      if names[-1] != router_warmup.ROUTER_OUTPUT_BIAS or router_warmup.ROUTER_MODULE not in names:
+        return leaf
+      position = lte_positions.index(names[names.index("blocks") + 1])
+      return leaf - threshold_GPH[:, position].astype(leaf.dtype)
+    params = jax.tree_util.tree_map_with_path(shift, params)
+  return params
 
 
 def run_one(preset: str, args: argparse.Namespace) -> dict:

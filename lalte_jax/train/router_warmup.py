@@ -26,14 +26,15 @@ ROUTER_MODULE = "router"
 ROUTER_OUTPUT_BIAS = "proj_bias"
 
 
-def _names(path) -> tuple:
+def path_names(path) -> tuple:
+  """The keys of a pytree path (dict keys, attribute names, sequence indices)."""
   return tuple(getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
                for key in path)
 
 
 def is_router_parameter(path) -> bool:
   """Whether the leaf at `path` (of an nnx pure-dict parameter tree) belongs to an LTE router."""
-  return ROUTER_MODULE in _names(path)
+  return ROUTER_MODULE in path_names(path)
 
 
 def keep_every_token(params: dict, active: jax.Array | bool) -> dict:
@@ -41,7 +42,7 @@ def keep_every_token(params: dict, active: jax.Array | bool) -> dict:
   (a traced or Python bool): the model then keeps every token and passes no gradient to its
   routers. Other leaves are returned as they are."""
   def override(path, leaf):
-    names = _names(path)
+    names = path_names(path)
     if ROUTER_MODULE in names and names[-1] == ROUTER_OUTPUT_BIAS:
       return jnp.where(active, jnp.asarray(ROUTER_OFF_LOGIT, leaf.dtype), leaf)
     return leaf

@@ -59,3 +59,25 @@ def test_children_get_the_flags_but_one_preset():
   argv = ["--presets", "a-tiny", "b-tiny", "--batch", "2", "--json", "x.json", "--remat=dots",
           "--in_process"]
   assert bench._argv_without_presets(argv) == ["--batch", "2", "--remat=dots"]  # pylint: disable=protected-access
+
+
+def test_calibrated_router_biases_keep_the_asked_share_of_tokens_per_layer_and_head():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from lalte_jax.config import get_model_config  # pylint: disable=import-outside-toplevel
+  from lalte_jax.model import HybridLM  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.step import model_graphdef  # pylint: disable=import-outside-toplevel
+  bench = load_tool("bench_train")
+  config = get_model_config("lalte-tiny")
+  params = nnx.to_pure_dict(nnx.state(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 128)),
+                       jnp.int32)
+  kept = lambda p: np.asarray(jnp.mean(nnx.merge(model_graphdef(config), p)(
+      tokens, return_aux=True)[1].lte_scores > 0, axis=(1, 2)))
+  assert kept(params).min() > 0.9  # as initialised (output bias +0.5) nearly every token is kept
+  for fraction in (0.125, 0.5):
+    np.testing.assert_allclose(kept(bench.calibrated_lte_biases(params, config, tokens, fraction)),
+                               fraction, atol=1 / 128)
+  with pytest.raises(ValueError, match="--lte_kept_fraction"):
+    bench.calibrated_lte_biases(params, config, tokens, 0.0)
