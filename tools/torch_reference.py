@@ -1,6 +1,7 @@
 """The PyTorch side of tools/compare_torch.py: builds, saves and runs the reference models.
 
-Run by compare_torch.py in a process of its own per family (never imported by the package):
+Run by compare_torch.py in a process of its own per family (never imported by the package;
+tools/bench_prefill.py --fla imports `setup` to time FLA's models without the parity changes):
 
   fla      FLA 0.6.0 (transformers 5) for model types gated_deltanet and transformer;
   authors  the authors' fork of FLA 0.3.1 (transformers 4.53) for hybrid_gated_deltanet and nsa.
@@ -173,16 +174,21 @@ def disable_autotuning():
   Autotuner.prune_configs = first_config
 
 
-def setup(family: str, parallel_attn: bool):
-  """Imports torch and the family's `fla` with the changes the module docstring lists."""
+def setup(family: str, parallel_attn: bool, *, exact: bool = True):
+  """Imports torch and the family's `fla` with the changes the module docstring lists.
+
+  exact=False leaves out the changes made for float32 parity (TF32 and cuDNN off, Triton
+  autotuning off) and keeps the flash-attn stand-in: FLA runs as it ships, for timing
+  (tools/bench_prefill.py --fla)."""
   import torch  # pylint: disable=import-outside-toplevel
-  torch.backends.cuda.matmul.allow_tf32 = False
-  torch.backends.cudnn.allow_tf32 = False
-  # The LTE router's Conv2d is the only convolution: PyTorch's own kernels, so that no cuDNN
-  # algorithm of reduced float32 precision can be chosen for it.
-  torch.backends.cudnn.enabled = False
+  if exact:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # The LTE router's Conv2d is the only convolution: PyTorch's own kernels, so that no cuDNN
+    # algorithm of reduced float32 precision can be chosen for it.
+    torch.backends.cudnn.enabled = False
+    disable_autotuning()
   install_flash_attn_stand_in()
-  disable_autotuning()
   if family == "authors":
     sys.meta_path.insert(0, _Float32Finder())
   import fla  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
