@@ -163,6 +163,7 @@ def test_lte_decode_with_pallas_kernels_matches_xla():
   # Imported here: the kernels' own tests do not depend on the model package.
   from lalte_jax.config import get_model_config
   from lalte_jax.inference.caches import StepContext
+  from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
   from lalte_jax.inference.lte_cache import init_lte_cache
   from lalte_jax.mixers.lte import LTEAttention
 
@@ -187,9 +188,9 @@ def test_lte_decode_with_pallas_kernels_matches_xla():
       # The LTE layer reads its position from its cache (§5.5); the context gives the pads.
       token_context = prompt_context.replace(valid_BT=jnp.ones((x.shape[0], 1), bool))
 
-      def step(cache, x_BD):
-        out_B1D, cache = layer.decode(x_BD[:, None], cache, token_context)
-        return cache, out_B1D[:, 0]
+      def step(cache, x_BD):  # on the cache as a stack of one layer group
+        out_B1D, view = layer.decode(x_BD[:, None], view_of_plain(cache), token_context)
+        return plain_of_view(view), out_B1D[:, 0]
       return jax.lax.scan(step, cache, jnp.swapaxes(x[:, prompt_len:], 0, 1))
     return go(state, x)
 

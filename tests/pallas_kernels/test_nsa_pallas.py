@@ -200,34 +200,47 @@ def _decode_inputs(seed, prompt_lengths, steps, max_length, block_size=BLOCK_SIZ
   return inputs, lengths, caches
 
 
+def _stacked_in_poison(x, groups=3, group=1):
+  """x as layer group `group` of a stack whose other groups hold NaN: a step that reads or writes
+  another group's part shows up as a NaN output or a changed poison."""
+  return jnp.full((groups, *x.shape), jnp.nan, x.dtype).at[group].set(x)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas", "reference"])
 def test_decode_equals_full_forward(implementation):
   """Teacher forcing: the prompt pooled by compress_prompt, then one append_token and one decode
   step per token; every step equals the full forward at that position. Rows decode from their
-  own positions and cross block boundaries (32, 48) at different steps."""
+  own positions and cross block boundaries (32, 48) at different steps. The caches are layer
+  group 1 of a stack of 3 (`group=`): the other groups are never read or written."""
   block_count = 4
   inputs, position, (k_cache, v_cache) = _decode_inputs(6, (30, 41), 10, max_length=64)
   full = reference.nsa_attention(
       *(jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "gates")),
       block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
   num_blocks = compressed_blocks(64, BLOCK_SIZE, BLOCKS)
-  k_cmp, v_cmp = compress_prompt(k_cache, v_cache, position, block_size=BLOCK_SIZE,
-                                 num_blocks=num_blocks)
+  caches = [_stacked_in_poison(x) for x in (k_cache, v_cache) + compress_prompt(
+      k_cache, v_cache, position, block_size=BLOCK_SIZE, num_blocks=num_blocks)]
+  group = jnp.int32(1)
   sizes = dict(block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
   if implementation == "pallas":
     step = jax.jit(functools.partial(pallas_decode.decode_attention, block_sizes=BLOCKS,
                                      interpret=True, **sizes))
+  elif implementation == "reference":
+    step = functools.partial(reference.decode_attention, **sizes)
   else:
-    step = functools.partial(nsa_decode_attention, implementation="xla", **sizes)
+    step = lambda *args: nsa_decode_attention(*args[:-1], group=args[-1], implementation="xla",
+                                              **sizes)
   rows = jnp.arange(2)
   at = lambda name: jnp.asarray(inputs[name], jnp.float32)[rows, position]
   for _ in range(10):
-    k_cache, v_cache, k_cmp, v_cmp = append_token(k_cache, v_cache, k_cmp, v_cmp, at("k"),
-                                                  at("v"), position, block_size=BLOCK_SIZE)
-    out = step(at("q"), at("gates"), k_cache, v_cache, k_cmp, v_cmp, position)
+    caches = append_token(*caches, at("k"), at("v"), position, block_size=BLOCK_SIZE,
+                          group=group)
+    out = step(at("q"), at("gates"), *caches, position, group)
     assert_close(out, full[rows, position], jnp.float32, name=f"position {position}")
     position = position + 1
+  for cache in caches:
+    assert np.isnan(np.asarray(cache)[[0, 2]]).all()
 
 
 def test_compressed_cache_holds_the_complete_blocks_means():
@@ -251,9 +264,10 @@ def test_kernels_lower_to_triton():
   train = functools.partial(pallas.nsa_attention, interpret=False, **PAPER)
   grads = jax.grad(lambda *a: train(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
   decode = functools.partial(pallas_decode.decode_attention, interpret=False, **PAPER)
-  decode_args = (shape((4, 32, 64), bf16), shape((4, 32, 3), bf16), shape((4, 1024, 2, 64), bf16),
-                 shape((4, 1024, 2, 64), bf16), shape((4, 64, 2, 64), bf16),
-                 shape((4, 64, 2, 64), bf16), shape((4,), jnp.int32))
+  decode_args = (shape((4, 32, 64), bf16), shape((4, 32, 3), bf16),
+                 shape((12, 4, 1024, 2, 64), bf16), shape((12, 4, 1024, 2, 64), bf16),
+                 shape((12, 4, 64, 2, 64), bf16), shape((12, 4, 64, 2, 64), bf16),
+                 shape((4,), jnp.int32), shape((), jnp.int32))
   for fn, args, kernels in (
       (grads, (q, k, k, gates), {"nsa_compressed_fwd", "nsa_compressed_dq", "nsa_compressed_dkdv",
                                  "nsa_selected_fwd", "nsa_selected_dq", "nsa_selected_dkdv",
