@@ -83,8 +83,13 @@ def evict_and_insert(k_GBSKD: jax.Array, v_GBSKD: jax.Array, score_GBSK: jax.Arr
 
   has_room_BK = past_len_BK < cap
   write_BK = (leaving_score_BK > 0) & (has_room_BK | (min_score_BK < leaving_score_BK))
+  # past_len is written first and the append slot read back from it, so that the scatters below
+  # follow every read of the old scores (XLA fuses the leaving score's read into the past_len
+  # update too; a read that the score scatter did not depend on would make it copy the scores).
+  past_len_GBK = past_len_GBK.at[group].set(past_len_BK + (write_BK & has_room_BK))
+  appended_BK = past_len_GBK[group] - 1
   # Slot `slots` is past the end: the scatters drop the (row, head) pairs that write nothing.
-  target_BK = jnp.where(write_BK, window_keys + jnp.where(has_room_BK, past_len_BK, min_index_BK),
+  target_BK = jnp.where(write_BK, window_keys + jnp.where(has_room_BK, appended_BK, min_index_BK),
                         slots)
   row_BK = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, num_kv_heads))
   head_BK = jnp.broadcast_to(jnp.arange(num_kv_heads)[None, :], (batch, num_kv_heads))
@@ -93,7 +98,5 @@ def evict_and_insert(k_GBSKD: jax.Array, v_GBSKD: jax.Array, score_GBSK: jax.Arr
     x = x.at[group, row_BK, target_BK, head_BK].set(leaving, mode="drop")
     return x.at[group, :, ptr].set(new.astype(x.dtype))
 
-  past_len_BK = past_len_BK + (write_BK & has_room_BK).astype(jnp.int32)
   return (move(k_GBSKD, leaving_k_BKD, new_k_BKD), move(v_GBSKD, leaving_v_BKD, new_v_BKD),
-          move(score_GBSK, leaving_score_BK, new_score_BK),
-          past_len_GBK.at[group].set(past_len_BK))
+          move(score_GBSK, leaving_score_BK, new_score_BK), past_len_GBK)

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
+from tests.kernel_testing import GROUP, assert_other_groups_untouched, stacked_in_poison
 
 WINDOW, CAP = 5, 6
 
@@ -76,6 +77,21 @@ def test_pallas_evict_matches_reference_bit_for_bit(dtype):
       assert a.dtype == e.dtype and a.shape == e.shape, name
       np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64),
                                     err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_evict_moves_only_the_rows_of_its_layer_group(implementation):
+  """`group=`: on caches stacked over layer groups (the others NaN / -1), the group's part ends as
+  the plain step leaves a plain cache, and nothing else changes."""
+  args = _cache(30)
+  ptr = jnp.int32(2)
+  expected = _evict_brute_force(*args[:4], 2, *args[4:])
+  got = evict_and_insert(*(stacked_in_poison(x) for x in args[:4]), ptr, *args[4:],
+                         window_keys=WINDOW, group=jnp.int32(GROUP),
+                         implementation=implementation)
+  for actual, want in zip(got, expected):
+    np.testing.assert_array_equal(np.asarray(actual)[GROUP], want)
+    assert_other_groups_untouched(actual)
 
 
 def test_compaction_reference_matches_brute_force():

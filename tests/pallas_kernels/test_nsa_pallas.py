@@ -24,7 +24,8 @@ from pallas_kernels.nsa import (
     nsa_attention, nsa_decode_attention, pallas, pallas_compressed, pallas_decode, reference,
     selection)
 from pallas_kernels.nsa.tiling import make_problem
-from tests.kernel_testing import assert_close
+from tests.kernel_testing import (GROUP, assert_close, assert_other_groups_untouched,
+                                  stacked_in_poison)
 
 BLOCKS = NSABlockSizes(cmp_keys=16, cmp_bwd_keys=16, cmp_bwd_queries_per_program=16,
                        slc_queries_per_program=8, decode_splits=2)
@@ -200,28 +201,22 @@ def _decode_inputs(seed, prompt_lengths, steps, max_length, block_size=BLOCK_SIZ
   return inputs, lengths, caches
 
 
-def _stacked_in_poison(x, groups=3, group=1):
-  """x as layer group `group` of a stack whose other groups hold NaN: a step that reads or writes
-  another group's part shows up as a NaN output or a changed poison."""
-  return jnp.full((groups, *x.shape), jnp.nan, x.dtype).at[group].set(x)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "pallas", "reference"])
 def test_decode_equals_full_forward(implementation):
   """Teacher forcing: the prompt pooled by compress_prompt, then one append_token and one decode
   step per token; every step equals the full forward at that position. Rows decode from their
-  own positions and cross block boundaries (32, 48) at different steps. The caches are layer
-  group 1 of a stack of 3 (`group=`): the other groups are never read or written."""
+  own positions and cross block boundaries (32, 48) at different steps. The caches are one layer
+  group of a stack whose other groups hold NaN (`group=`): they are never read or written."""
   block_count = 4
   inputs, position, (k_cache, v_cache) = _decode_inputs(6, (30, 41), 10, max_length=64)
   full = reference.nsa_attention(
       *(jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "gates")),
       block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
   num_blocks = compressed_blocks(64, BLOCK_SIZE, BLOCKS)
-  caches = [_stacked_in_poison(x) for x in (k_cache, v_cache) + compress_prompt(
+  caches = [stacked_in_poison(x) for x in (k_cache, v_cache) + compress_prompt(
       k_cache, v_cache, position, block_size=BLOCK_SIZE, num_blocks=num_blocks)]
-  group = jnp.int32(1)
+  group = jnp.int32(GROUP)
   sizes = dict(block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
   if implementation == "pallas":
     step = jax.jit(functools.partial(pallas_decode.decode_attention, block_sizes=BLOCKS,
@@ -240,7 +235,7 @@ def test_decode_equals_full_forward(implementation):
     assert_close(out, full[rows, position], jnp.float32, name=f"position {position}")
     position = position + 1
   for cache in caches:
-    assert np.isnan(np.asarray(cache)[[0, 2]]).all()
+    assert_other_groups_untouched(cache)
 
 
 def test_compressed_cache_holds_the_complete_blocks_means():
