@@ -6,10 +6,13 @@ mixer's `decode` gets its cache with a `GroupSlot` in place of each leaf: the st
 group index. Ops that read a cache take both (`pallas_kernels.stacked`: kernels index the group
 themselves, the XLA versions read it block by block); other writes go through `write` /
 `scatter`, which change only the given elements of the stacked buffer (XLA does that in place on
-the donated, loop-carried cache), and `read` is for small leaves. So no decode step copies a
-group's cache slice: copying it out and back would cost a read and a write of the whole cache per
-token (measured on CPU before this layout: temporaries of 0.75x the cache for NSA and full
-attention).
+the donated, loop-carried cache), and `read` / `take` are for small leaves and parts. So no
+decode step copies a group's cache slice out and back (which cost temporaries of 0.75x the cache
+for NSA and full attention, and a read and a write of it per token).
+
+XLA keeps an update in place only if every other read of the buffer is known to come first (it
+copies the whole stacked buffer otherwise): a step writes a slot before reading it, or reads only
+what the write depends on.
 
 `group_view` turns a layer's stacked cache into this form and `stacked` back; `read_group` and
 `write_group` move a whole group's cache, for the prefill, which fills it anyway.
