@@ -24,9 +24,8 @@ import jax.numpy as jnp
 from pallas_kernels.masked_attention.reference import HIGHEST, compute_dtype
 from pallas_kernels.pallas_common import cdiv
 
-__all__ = ["as_stacked", "group_operand", "per_group", "read_slot_block",
-           "slot_blocks", "streamed_attention", "streamed_scores", "take_group",
-           "update_group_rows"]
+__all__ = ["as_stacked", "group_operand", "per_group", "read_slot_block", "slot_blocks",
+           "streamed_attention", "streamed_scores", "update_group_rows"]
 
 # Slots per block of the XLA reads: the most a step materialises of one cache leaf.
 MAX_BLOCK_SLOTS = 512
@@ -60,11 +59,6 @@ def as_stacked(x: jax.Array, group) -> tuple[jax.Array, jax.Array]:
 def group_operand(group: jax.Array) -> jax.Array:
   """The group index as the int32 [1] operand that the Pallas kernels read."""
   return jnp.reshape(group, (1,)).astype(jnp.int32)
-
-
-def take_group(x: jax.Array, group) -> jax.Array:
-  """x[group] for a stacked x, x itself when group is None (the references' reading)."""
-  return x if group is None else x[group]
 
 
 def slot_blocks(num_slots: int) -> tuple[int, int]:

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.masked_attention.reference import attention_probs, attention_with_mask
-from pallas_kernels.stacked import take_group
 
 
 def visible_slots(num_slots: int, batch: int, num_kv_heads: int, *, length_BK=None,
@@ -36,7 +35,7 @@ def decode_attention(q_BHD: jax.Array, k_GBNKD: jax.Array, v_GBNKD: jax.Array, g
 
   Arguments are assumed valid (the public entry checks them).
   """
-  k_BNKD, v_BNKD = take_group(k_GBNKD, group), take_group(v_GBNKD, group)
+  k_BNKD, v_BNKD = k_GBNKD[group], v_GBNKD[group]
   batch, num_slots, num_kv_heads, _ = k_BNKD.shape
   visible_BKN = visible_slots(num_slots, batch, num_kv_heads, length_BK=length_BK,
                               key_valid=key_valid)
@@ -50,7 +49,7 @@ def decode_attention_weights(q_BHD: jax.Array, k_GBNKD: jax.Array, group: jax.Ar
                              key_valid: jax.Array | None = None) -> jax.Array:
   """[B, Hq, N]: each query head's softmax weights over the slots (0 where invisible), float32
   (float64 for float64 inputs). Arguments are assumed valid (the public entry checks them)."""
-  k_BNKD = take_group(k_GBNKD, group)
+  k_BNKD = k_GBNKD[group]
   batch, num_slots, num_kv_heads, _ = k_BNKD.shape
   visible_BKN = visible_slots(num_slots, batch, num_kv_heads, length_BK=length_BK,
                               key_valid=key_valid)

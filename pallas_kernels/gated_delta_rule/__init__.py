@@ -176,7 +176,9 @@ def _recurrent_xla(q, k, v, g, beta, *, scale, initial_state, output_final_state
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
   q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, _ = _prepare_inputs(
       q, k, v, g, beta, None, scale, use_qk_l2norm)
-  one_row = lambda fn: lambda state_HKV, *inputs: fn(state_HKV[None], *(x[None] for x in inputs))[0]
+
+  def one_row(fn):  # a batched step applied to one row's state [H, K, V] and inputs
+    return lambda state_HKV, *inputs: fn(state_HKV[None], *(x[None] for x in inputs))[0]
 
   def token(t, carry):
     o_BTHV, state = carry

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.masked_attention.reference import (
     HIGHEST, attention_mask, attention_with_mask, compute_dtype, masked_softmax)
-from pallas_kernels.stacked import take_group
 
 
 def compress(x_BTKD: jax.Array, block_size: int) -> jax.Array:
@@ -233,7 +232,7 @@ def decode_attention(
   ([G, B, ...]) and group `group` is read.
   """
   k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD = (
-      take_group(x, group) for x in (k_GBSKD, v_GBSKD, k_cmp_GBNKD, v_cmp_GBNKD))
+      x[group] for x in (k_GBSKD, v_GBSKD, k_cmp_GBNKD, v_cmp_GBNKD))
   if scale is None:
     scale = q_BHD.shape[-1] ** -0.5
   num_kv_heads = k_BSKD.shape[2]

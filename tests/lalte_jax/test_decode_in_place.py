@@ -114,13 +114,15 @@ def cache_sized_buffers(hlo_text: str, leaf_shapes: dict) -> list[str]:
   return found
 
 
-def compile_decode(variant: str, max_length: int, implementation: str = "xla"):
-  config = with_implementation(get_model_config(f"{variant}-tiny"), implementation)
+def compile_xla_decode(variant: str, max_length: int):
+  """The tiny preset's decode step on "xla", compiled for the CPU at batch BATCH: (executable,
+  temporary bytes, cache bytes, abstract cache)."""
+  config = with_implementation(get_model_config(f"{variant}-tiny"), "xla")
   graphdef, state = nnx.split(HybridLM(config, rngs=nnx.Rngs(0)))
   cache = abstract_cache(config, BATCH, max_length)
   token = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
-  # generate's own jitted step, which donates the cache.
-  compiled = gen._decode_jit.lower(graphdef, state, token, cache).compile()  # pylint: disable=protected-access
+  decode_jit = gen._decode_jit  # pylint: disable=protected-access  # donates the cache
+  compiled = decode_jit.lower(graphdef, state, token, cache).compile()
   analysis = compiled.memory_analysis()
   if analysis is None or not hasattr(analysis, "temp_size_in_bytes"):
     pytest.skip("this jaxlib's compiled executables report no memory_analysis()")
@@ -129,12 +131,12 @@ def compile_decode(variant: str, max_length: int, implementation: str = "xla"):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", FAMILIES)
-def test_xla_decode_step_copies_no_cache_leaf(variant):
+def test_xla_decode_step_makes_no_cache_sized_buffer(variant):
   sizes = (2048, 8192) if caches.needs_max_length(get_model_config(f"{variant}-tiny"), None) \
       else (2048,)
   measured = {}
   for max_length in sizes:
-    compiled, temp_bytes, cache_bytes, cache = compile_decode(variant, max_length)
+    compiled, temp_bytes, cache_bytes, cache = compile_xla_decode(variant, max_length)
     assert cache_sized_buffers(compiled.as_text(), leaf_shapes(cache)) == []
     measured[max_length] = (temp_bytes, cache_bytes)
   print(f"{variant}-tiny B{BATCH} (temporaries, cache) bytes by max_length: {measured}")
