@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import StepContext
 from lalte_jax.layers import initializers
 from lalte_jax.layers.mlp import SwiGLU
@@ -77,10 +78,15 @@ class Block(nnx.Module):
     return self._residual(h_BTD, lambda x: (self.mixer(x), None))
 
   def step(self, h_BTD: jax.Array, cache, ctx: StepContext, mode: str):
-    """The block on the tokens of one inference call, with the mixer's cache: `mode` "prefill"
-    (a left-padded prompt, empty cache) or "decode" (one token per row). Returns (h, cache)."""
-    mixer_step = {"prefill": self.mixer.prefill, "decode": self.mixer.decode}[mode]
-    return self._residual(h_BTD, lambda x: mixer_step(x, cache, ctx))
+    """The block on the tokens of one inference call, with the mixer's layer cache as a
+    `group_slot.group_view` (its layer group's part of the stacked cache): `mode` "prefill" (a
+    left-padded prompt, empty cache) or "decode" (one token per row). Returns (h, cache)."""
+    if mode == "decode":  # reads and writes the stacked cache in place
+      return self._residual(h_BTD, lambda x: self.mixer.decode(x, cache, ctx))
+    # A prompt fills the whole cache: the mixer's prefill takes and returns the group's arrays.
+    h_BTD, filled = self._residual(
+        h_BTD, lambda x: self.mixer.prefill(x, group_slot.read_group(cache), ctx))
+    return h_BTD, group_slot.write_group(cache, filled)
 
 
 class LayerGroup(nnx.Module):

@@ -1,7 +1,8 @@
 """Choosing an op's implementation: one rule shared by every op folder.
 
-Names: "xla" (the jnp reference lowered by XLA, every op has it), "pallas" (our Pallas kernels,
-Triton backend on GPU) and "cudnn" (a cuDNN kernel reached through a JAX API). Naming a version that
+Names: "xla" (plain jnp lowered by XLA, every op has it: the reference, or for the decode ops
+that read a cache a blocked reading of it, `stacked.py`), "pallas" (our Pallas kernels, Triton
+backend on GPU) and "cudnn" (a cuDNN kernel reached through a JAX API). Naming a version that
 the op does not have raises `NotImplementedError`; a name outside these three raises `ValueError`.
 
 `implementation=None` runs "xla" off the GPU (Pallas there would run in interpret mode, which exists

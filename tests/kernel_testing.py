@@ -53,3 +53,25 @@ def float64():
     yield
   finally:
     jax.config.update("jax_enable_x64", previous)
+
+
+# Decode ops read and write one layer group of caches stacked over the groups (`group=`).
+POISONED_GROUPS = 3
+GROUP = 1
+
+
+def stacked_in_poison(x):
+  """x as layer group GROUP of a stack of POISONED_GROUPS whose other groups hold NaN (-1 for
+  integers): an op that reads another group's part returns NaN, one that writes it changes the
+  poison (`assert_other_groups_untouched`)."""
+  x = jnp.asarray(x)
+  poison = jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else -1
+  return jnp.full((POISONED_GROUPS, *x.shape), poison, x.dtype).at[GROUP].set(x)
+
+
+def assert_other_groups_untouched(stacked):
+  other = np.delete(np.asarray(stacked), GROUP, axis=0)
+  if np.issubdtype(other.dtype, np.floating):
+    assert np.isnan(other).all(), "another layer group's part was written"
+  else:
+    assert (other == -1).all(), "another layer group's part was written"

@@ -248,7 +248,9 @@ def decode_case(shape: Shape, context: int, sets: int):
                                    num_blocks=num_blocks)
     q = jax.random.normal(keys[2], (batch, heads, dim), jnp.bfloat16)
     gates = jax.nn.sigmoid(jax.random.normal(keys[3], (batch, heads, 3), jnp.float32))
-    caches.append((q, gates.astype(jnp.bfloat16), k, v, k_cmp, v_cmp, position))
+    # A layer group's caches as the model holds them, stacked over its groups (here one).
+    caches.append((q, gates.astype(jnp.bfloat16), k[None], v[None], k_cmp[None], v_cmp[None],
+                   position, jnp.zeros((), jnp.int32)))
   attend = functools.partial(pallas_decode.decode_attention, block_sizes=shape.blocks,
                              **shape.sizes)
   step = jax.jit(lambda caches: [attend(*c) for c in caches])

@@ -2,6 +2,8 @@
 
 caches.py       cache layouts per mixer kind (GDN, SWA ring, full attention, NSA), ModelCache and
                 the StepContext every mixer's prefill / decode reads
+group_slot.py   GroupSlot: a layer group's part of a stacked cache leaf, which decode steps read
+                and write in place
 lte_cache.py    the LTE layer's ring + capped out-of-window cache and its operations (§5)
 eviction.py     TOVA and uniform-stride eviction caches for full-attention layers (§7.1-7.2)
 stack.py        prefill / decode through the scanned layer groups (Block.step), logits

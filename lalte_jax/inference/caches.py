@@ -6,9 +6,10 @@ real position is `position - pad_count[row]`.
 
 Per layer kind (`B` batch, `G` = number of layer groups; every leaf of a layer cache carries a
 leading `[G]` axis because the model scans over stacked groups):
-- GDN: the last `conv_size - 1` pre-activation q/k/v projections (what the causal conv still
-  reads; zeros before the first token and at pads) and the float32 recurrent state `[B,H,Dk,Dv]`.
-  Constant size.
+- GDN: a ring of the last `conv_size` pre-activation q/k/v projections, the input at padded index
+  p in slot `p % conv_size` (what the causal conv reads; zeros before the first token and at
+  pads), and the float32 recurrent state `[B,H,Dk,Dv]`. Constant size. A decode step writes the
+  new token's inputs over the oldest ones (which the filter no longer reads), then reads the ring.
 - SWA: a ring of `window_size` post-RoPE keys and values; the key at padded index p lives in slot
   `p % window_size`. Constant size.
 - Full attention: keys and values preallocated to `max_length` padded indices (slot = padded index).
@@ -39,9 +40,9 @@ from pallas_kernels import nsa as nsa_ops
 
 @flax.struct.dataclass
 class GDNCache:
-  conv_q_BKC: jax.Array  # [B, conv_size-1, key_dim] pre-activation q projections, oldest first
-  conv_k_BKC: jax.Array  # [B, conv_size-1, key_dim]
-  conv_v_BKC: jax.Array  # [B, conv_size-1, value_dim]
+  conv_q_BKC: jax.Array  # [B, conv_size, key_dim] pre-activation q projections, ring by index
+  conv_k_BKC: jax.Array  # [B, conv_size, key_dim]
+  conv_v_BKC: jax.Array  # [B, conv_size, value_dim]
   state_BHKV: jax.Array  # [B, H, Dk, Dv] float32
 
 
@@ -108,6 +109,16 @@ class StepContext:
     return self.position + jnp.arange(length, dtype=jnp.int32)[None] - self.pad_count_B[:, None]
 
 
+def ring_from_prompt(x_BT_: jax.Array, ring_size: int) -> jax.Array:
+  """The last `ring_size` prompt entries [B, T, ...] placed at slot (padded index mod ring_size),
+  zeros in slots no prompt entry reached: [B, ring_size, ...]."""
+  length = x_BT_.shape[1]
+  if length < ring_size:
+    return jnp.pad(x_BT_, ((0, 0), (0, ring_size - length)) + ((0, 0),) * (x_BT_.ndim - 2))
+  start = length - ring_size
+  return jnp.roll(x_BT_[:, start:], start % ring_size, axis=1)
+
+
 def write_prompt(buffer_BSKD: jax.Array, x_BTKD: jax.Array) -> jax.Array:
   """The prompt's keys or values into the first T slots of a preallocated cache buffer."""
   return jax.lax.dynamic_update_slice_in_dim(buffer_BSKD, x_BTKD.astype(buffer_BSKD.dtype), 0,
@@ -129,7 +140,7 @@ def _gdn_cache(config: ModelConfig, batch: int) -> GDNCache:
   gdn = config.gdn
   dtype = config.compute_dtype
   key_dim, value_dim = gdn.num_heads * gdn.head_dim, gdn.num_heads * gdn.value_dim
-  taps = gdn.conv_size - 1
+  taps = gdn.conv_size
   return GDNCache(
       conv_q_BKC=jnp.zeros((batch, taps, key_dim), dtype),
       conv_k_BKC=jnp.zeros((batch, taps, key_dim), dtype),

@@ -19,7 +19,9 @@ Choices for the spec's open points (documented here and in docs/model_spec.md §
   token it already evicted (a stride ceil(m/512) that grows by other factors would). Position 0 is
   always kept (it acts as a sink); no other sinks. Between cache_size/2 and cache_size tokens are
   kept once the window is full.
-Positions are real positions (first real token = 0), as for full attention (§3.1).
+Positions are real positions (first real token = 0), as for full attention (§3.1). A decode step
+works on the layer group's part of the stacked cache (`GroupSlot` leaves): it scatters the moved
+rows in place and the attention ops read the group's slots from the stacked buffers.
 """
 
 from __future__ import annotations
@@ -86,10 +88,11 @@ def init_eviction_cache(eviction: EvictionConfig, attn: AttentionConfig, batch: 
                        recent=eviction.recent_size if eviction.policy == "uniform" else 0)
 
 
-def _head_mean_weights(q_BHD, k_BSKD, valid_BS) -> jax.Array:
-  """[B, S] float32: the query's attention weights over the valid slots, averaged over its heads.
-  (One version, XLA, on every backend.)"""
-  return jnp.mean(decode_attention_weights(q_BHD, k_BSKD, key_valid=valid_BS), axis=1)
+def _head_mean_weights(q_BHD, k_BSKD, valid_BS, group=None) -> jax.Array:
+  """[B, S] float32: the query's attention weights over the valid slots, averaged over its heads
+  (k stacked over layer groups when `group` is given). One version, XLA, on every backend."""
+  return jnp.mean(decode_attention_weights(q_BHD, k_BSKD, key_valid=valid_BS, group=group),
+                  axis=1)
 
 
 def _next_power_of_two(x_B: jax.Array) -> jax.Array:
@@ -144,54 +147,56 @@ def eviction_prefill(cache: EvictionCache, q_BTHD, k_BTKD, v_BTKD, valid_BT, pad
 
 def _write(cache: EvictionCache, slot_B, k_B1KD, v_B1KD, pos_B) -> EvictionCache:
   rows = jnp.arange(slot_B.shape[0])
-  return cache.replace(
-      k_BSKD=cache.k_BSKD.at[rows, slot_B].set(k_B1KD[:, 0].astype(cache.k_BSKD.dtype)),
-      v_BSKD=cache.v_BSKD.at[rows, slot_B].set(v_B1KD[:, 0].astype(cache.v_BSKD.dtype)),
-      pos_BS=cache.pos_BS.at[rows, slot_B].set(pos_B))
+  return cache.replace(k_BSKD=cache.k_BSKD.scatter((rows, slot_B), k_B1KD[:, 0]),
+                       v_BSKD=cache.v_BSKD.scatter((rows, slot_B), v_B1KD[:, 0]),
+                       pos_BS=cache.pos_BS.scatter((rows, slot_B), pos_B))
 
 
 def _uniform_admit(cache: EvictionCache, pos_B) -> EvictionCache:
   """Moves the token leaving the ring (position pos - recent) to the strided part if the (possibly
   grown) stride keeps it, after dropping strided tokens that the new stride no longer keeps."""
   recent = cache.recent
-  strided = cache.pos_BS.shape[1] - recent
+  pos_BS = cache.pos_BS.read()
+  strided = pos_BS.shape[1] - recent
   rows = jnp.arange(pos_B.shape[0])
   ring_slot_B = pos_B % recent
-  leaving_B = cache.pos_BS[rows, ring_slot_B]  # pos - recent, or -1 while the ring fills
+  leaving_B = pos_BS[rows, ring_slot_B]  # pos - recent, or -1 while the ring fills
   stride_B = uniform_stride(pos_B - recent + 1, strided)
-  strided_pos_BC = cache.pos_BS[:, recent:]
+  strided_pos_BC = pos_BS[:, recent:]
   kept_BC = (strided_pos_BC >= 0) & (strided_pos_BC % stride_B[:, None] == 0)
   strided_pos_BC = jnp.where(kept_BC, strided_pos_BC, -1)
   admit_B = (leaving_B >= 0) & (leaving_B % stride_B == 0)
   free_B = recent + jnp.argmax(strided_pos_BC < 0, axis=1)  # nested sets: always room (see doc)
-  target_B = jnp.where(admit_B, free_B, recent + strided)  # out of range: dropped by .at[].set
-  pos_BS = jnp.concatenate([cache.pos_BS[:, :recent], strided_pos_BC], axis=1)
+  target_B = jnp.where(admit_B, free_B, recent + strided)  # out of range: dropped by the scatter
+  pos_BS = jnp.concatenate([pos_BS[:, :recent], strided_pos_BC], axis=1)
   return cache.replace(
-      k_BSKD=cache.k_BSKD.at[rows, target_B].set(cache.k_BSKD[rows, ring_slot_B], mode="drop"),
-      v_BSKD=cache.v_BSKD.at[rows, target_B].set(cache.v_BSKD[rows, ring_slot_B], mode="drop"),
-      pos_BS=pos_BS.at[rows, target_B].set(leaving_B, mode="drop"),
-      stride_B=stride_B)
+      k_BSKD=cache.k_BSKD.scatter((rows, target_B), cache.k_BSKD.take((rows, ring_slot_B))),
+      v_BSKD=cache.v_BSKD.scatter((rows, target_B), cache.v_BSKD.take((rows, ring_slot_B))),
+      pos_BS=cache.pos_BS.write(pos_BS.at[rows, target_B].set(leaving_B, mode="drop")),
+      stride_B=cache.stride_B.write(stride_B))
 
 
 def eviction_decode(cache: EvictionCache, q_B1HD, k_B1KD, v_B1KD, pos_B, *,
                     implementation: Implementation = None) -> tuple[jax.Array, EvictionCache]:
-  """Attention of the new token (real position pos_B, post-RoPE q/k) and the updated cache.
-  `implementation` chooses the attention's version (`pallas_kernels.decode_attention`)."""
+  """Attention of the new token (real position pos_B, post-RoPE q/k) and the updated cache, whose
+  leaves are `GroupSlot`s. `implementation` chooses the attention's version
+  (`pallas_kernels.decode_attention`)."""
   if cache.policy == "tova":
-    free_B = jnp.argmax(cache.pos_BS < 0, axis=1)  # at most cache_size kept: one slot is free
+    free_B = jnp.argmax(cache.pos_BS.read() < 0, axis=1)  # at most cache_size kept: one is free
     cache = _write(cache, free_B, k_B1KD, v_B1KD, pos_B)
   else:
     cache = _uniform_admit(cache, pos_B)
     cache = _write(cache, pos_B % cache.recent, k_B1KD, v_B1KD, pos_B)
-  valid_BS = cache.pos_BS >= 0
-  o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD, cache.v_BSKD, key_valid=valid_BS,
-                           implementation=implementation)
+  pos_BS = cache.pos_BS.read()
+  valid_BS = pos_BS >= 0
+  group = cache.k_BSKD.group
+  o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD.stacked, cache.v_BSKD.stacked,
+                           key_valid=valid_BS, group=group, implementation=implementation)
   if cache.policy == "tova":
-    weights_BS = _head_mean_weights(q_B1HD[:, 0], cache.k_BSKD, valid_BS)
+    weights_BS = _head_mean_weights(q_B1HD[:, 0], cache.k_BSKD.stacked, valid_BS, group)
     full_B = jnp.all(valid_BS, axis=1)
     evict_B = jnp.argmin(jnp.where(valid_BS, weights_BS, jnp.inf), axis=1)
     rows = jnp.arange(pos_B.shape[0])
-    pos_BS = cache.pos_BS.at[rows, evict_B].set(
-        jnp.where(full_B, -1, cache.pos_BS[rows, evict_B]))
-    cache = cache.replace(pos_BS=pos_BS)
+    pos_BS = pos_BS.at[rows, evict_B].set(jnp.where(full_B, -1, pos_BS[rows, evict_B]))
+    cache = cache.replace(pos_BS=cache.pos_BS.write(pos_BS))
   return o_BHD[:, None], cache

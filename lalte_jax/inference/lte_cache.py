@@ -40,9 +40,10 @@ reproduces the training-time layer for every prompt length:
 
 Shapes: B batch, T tokens, Hq query heads, K (= Hkv) KV heads, D head dim, S = W + b cache slots,
 W ring slots. Everything is jittable with static shapes. This module holds the cache and its
-operations on arrays; the layer's prefill and decode step, which project, score and attend, are
-`LTEAttention.prefill` / `.decode` (`lalte_jax/mixers/lte.py`). Rescoring runs the layer's router,
-which it is given.
+operations: `fill_from_prompt` on a layer group's arrays, the decode-step operations on its part
+of the stacked cache (`GroupSlot` leaves, updated in place). The layer's prefill and decode step,
+which project, score and attend, are `LTEAttention.prefill` / `.decode`
+(`lalte_jax/mixers/lte.py`). Rescoring runs the layer's router, which it is given.
 """
 
 from __future__ import annotations
@@ -161,78 +162,82 @@ def _rescore_ring(cache: LTECache, lte: LTEConfig, router) -> LTECache:
   """§5.4: rotate the ring to chronological order and rescore slots [margin, W)."""
   window_keys, margin = lte.window_keys, lte.router_margin
   batch = cache.k.shape[0]
+  ptr, position, blank_B = cache.ptr.read(), cache.position.read(), cache.blank.read()
 
-  def chronological(x):  # slot ptr (the oldest token) moves to slot 0
-    return jnp.concatenate([jnp.roll(x[:, :window_keys], -cache.ptr, axis=1),
-                            x[:, window_keys:]], axis=1)
+  def chronological_ring(slot):  # slot ptr (the oldest token) moves to slot 0
+    return jnp.roll(slot.read(shape=(batch, window_keys)), -ptr, axis=1)
 
-  k, v, score = chronological(cache.k), chronological(cache.v), chronological(cache.score)
-  ring_k_BWKD, ring_v_BWKD = k[:, :window_keys], v[:, :window_keys]
-  ring_score_BWK = score[:, :window_keys]
+  ring_k_BWKD, ring_v_BWKD = chronological_ring(cache.k), chronological_ring(cache.v)
+  ring_score_BWK = chronological_ring(cache.score)
 
   # Chronological slot i holds position t - W + i (negative only for never-filled blanks): use
   # these true positions even while blanks remain (G14 fix; the reference clamps at 0).
   slot_W = jnp.arange(window_keys, dtype=jnp.int32)
-  positions_BW = jnp.broadcast_to(cache.position - window_keys + slot_W, (batch, window_keys))
+  positions_BW = jnp.broadcast_to(position - window_keys + slot_W, (batch, window_keys))
   k_pre_BWKD = derope(ring_k_BWKD, positions_BW, lte.rope_theta)
-  real_BW = slot_W[None, :] >= cache.blank[:, None]
+  real_BW = slot_W[None, :] >= blank_B[:, None]
   fresh_BWK = router(k_pre_BWKD, ring_v_BWKD, mask_BT=real_BW)
   fresh_BWK = jnp.where(real_BW[:, :, None], fresh_BWK, -jnp.inf)
   # Slots [0, margin) lost their left context to eviction: they keep the score they got at an
   # earlier rescoring (with full context). Sinks keep +inf (G14 fix).
   keep_old_BWK = (slot_W < margin)[None, :, None] | (ring_score_BWK == jnp.inf)
   ring_score_BWK = jnp.where(keep_old_BWK, ring_score_BWK, fresh_BWK)
-
-  score = jnp.concatenate([ring_score_BWK, score[:, window_keys:]], axis=1)
-  return cache.replace(k=k, v=v, score=score, ptr=jnp.zeros((), jnp.int32))
+  return cache.replace(k=cache.k.write(ring_k_BWKD), v=cache.v.write(ring_v_BWKD),
+                       score=cache.score.write(ring_score_BWK),
+                       ptr=cache.ptr.write(jnp.zeros((), jnp.int32)))
 
 
 def rescore_if_due(cache: LTECache, lte: LTEConfig, router) -> LTECache:
   """Lazy rescoring (§5.4) by `router` (the layer's `LTERouter`) when `ptr == W - 2 * margin`,
   else the cache unchanged.
 
-  `LTEAttention.decode` calls it first; it is idempotent (after a rescoring ptr is 0 != W - 2
-  margin), so a caller may apply it beforehand to read the score of the token about to leave the
-  window, `cache.score[:, cache.ptr]`, which is then final. No-op for a context-free router
-  (margin 0).
+  `cache` holds `GroupSlot` leaves (a layer group's part of the stacked decode cache, as
+  `LTEAttention.decode` gets it); only the ring's W slots are rewritten. `LTEAttention.decode`
+  calls it first; it is idempotent (after a rescoring ptr is 0 != W - 2 margin), so a caller may
+  apply it beforehand to read the score of the token about to leave the window, the score at ring
+  slot ptr, which is then final. No-op for a context-free router (margin 0).
   """
   margin = lte.router_margin
   if margin == 0:
     return cache
-  due = cache.ptr == lte.window_keys - 2 * margin
+  due = cache.ptr.read() == lte.window_keys - 2 * margin
   return jax.lax.cond(due, lambda c: _rescore_ring(c, lte, router), lambda c: c, cache)
 
 
 def insert_token(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,
                  score_B1K: jax.Array) -> LTECache:
   """§5.3 step 3: move the ring's oldest token (slot ptr) into the OOW set if it qualifies, write
-  the new token into slot ptr and advance.
+  the new token into slot ptr and advance. `cache` holds `GroupSlot` leaves.
 
   Score > 0: append while past_len < b, else replace the OOW minimum when that is smaller than
   the leaving score (otherwise drop it). Blank slots have score -inf and are dropped. The data
-  movement is the fused `evict_and_insert` op (in place on GPU).
+  movement is the fused `evict_and_insert` op, in place in the stacked cache.
   """
   window_keys = lte.window_keys
+  blank_B, ptr = cache.blank.read(), cache.ptr.read()
   # While blanks remain, every real token seen so far is still in the ring, so the new token's
   # index among the row's real tokens is W - blank (G14 fix: sinks decoded after the prompt).
-  real_index_B = window_keys - cache.blank
-  sink_B = (cache.blank > 0) & (real_index_B < lte.num_sinks)
+  real_index_B = window_keys - blank_B
+  sink_B = (blank_B > 0) & (real_index_B < lte.num_sinks)
   score_BK = jnp.where(sink_B[:, None], jnp.inf, score_B1K[:, 0].astype(jnp.float32))
-  k, v, score, past_len = evict_and_insert(
-      cache.k, cache.v, cache.score, cache.past_len, cache.ptr,
-      k_B1KD[:, 0].astype(cache.k.dtype), v_B1KD[:, 0].astype(cache.v.dtype), score_BK,
-      window_keys=window_keys, implementation=lte.implementation)
+  slots = (cache.k, cache.v, cache.score, cache.past_len)
+  moved = evict_and_insert(
+      *(slot.stacked for slot in slots), ptr, k_B1KD[:, 0].astype(cache.k.dtype),
+      v_B1KD[:, 0].astype(cache.v.dtype), score_BK, window_keys=window_keys,
+      group=cache.k.group, implementation=lte.implementation)
+  k, v, score, past_len = (slot.replace(stacked=x) for slot, x in zip(slots, moved))
   return cache.replace(
       k=k, v=v, score=score, past_len=past_len,
-      blank=jnp.maximum(cache.blank - 1, 0),
-      ptr=(cache.ptr + 1) % window_keys,
-      position=cache.position + 1)
+      blank=cache.blank.write(jnp.maximum(blank_B - 1, 0)),
+      ptr=cache.ptr.write((ptr + 1) % window_keys),
+      position=cache.position.write(cache.position.read() + 1))
 
 
 def visible_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
-  """bool [B, W + b]: ring slots except the blanks [ptr, ptr + blank) (mod W); OOW slots True."""
+  """bool [B, W + b]: ring slots except the blanks [ptr, ptr + blank) (mod W); OOW slots True.
+  `cache` holds `GroupSlot` leaves."""
   window_keys = lte.window_keys
   slot_S = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
   # Distance from ptr around the ring: the blanks are the first `blank` slots from ptr.
-  from_ptr_S = jnp.mod(slot_S - cache.ptr, window_keys)
-  return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= cache.blank[:, None])
+  from_ptr_S = jnp.mod(slot_S - cache.ptr.read(), window_keys)
+  return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= cache.blank.read()[:, None])

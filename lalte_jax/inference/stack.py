@@ -1,7 +1,7 @@
 """Prefill and decode through the whole HybridLM: embed, a `lax.scan` over the stacked layer groups
 carrying the residual stream and the stacked caches, where each `Block.step` runs its mixer's
-`prefill` or `decode` on its cache, then `HybridLM.logits_from_hidden`. Traceable functions;
-`lalte_jax.generate` jits them.
+`prefill` or `decode` on its group's part of the cache (`group_slot.group_view`), then
+`HybridLM.logits_from_hidden`. Traceable functions; `lalte_jax.generate` jits them.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import ModelCache, StepContext
 
 
@@ -17,23 +18,19 @@ def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: 
                 ) -> tuple[jax.Array, tuple]:
   graphdef, stacked_state = nnx.split(model.groups)
 
-  # The stacked caches ride in the carry and group i's slice is read and written back by index:
-  # XLA then updates the (donated) cache buffers in place. Mapping them as scan inputs/outputs
-  # instead makes XLA allocate the whole output cache anew each step (measured on CPU: 1.75x the
-  # cache in temporaries and twice the step time for a full-attention cache; 0.75x here, the
-  # remaining copy being one group's slice).
+  # The stacked caches ride in the carry and each mixer reads and writes its group's part of them
+  # by index (`group_slot`), so XLA updates the donated cache buffers in place. Mapping them as
+  # scan inputs/outputs instead makes XLA allocate the whole output cache anew each step
+  # (measured on CPU: 1.75x the cache in temporaries and twice the step time for a full-attention
+  # cache), and slicing a group's cache out and writing it back copies it twice per step.
   def one_group(carry, xs):
     h_BTD, stacked_caches = carry
     group_index, group_state = xs
     group = nnx.merge(graphdef, group_state)
     new_caches = []
     for block, stacked in zip(group.blocks, stacked_caches):
-      cache = jax.tree.map(
-          lambda x: jax.lax.dynamic_index_in_dim(x, group_index, keepdims=False), stacked)
-      h_BTD, cache = block.step(h_BTD, cache, ctx, mode)
-      new_caches.append(jax.tree.map(
-          lambda x, new: jax.lax.dynamic_update_index_in_dim(x, new.astype(x.dtype), group_index,
-                                                             0), stacked, cache))
+      h_BTD, view = block.step(h_BTD, group_slot.group_view(stacked, group_index), ctx, mode)
+      new_caches.append(group_slot.stacked(view))
     return (h_BTD, tuple(new_caches)), None
 
   num_groups = jax.tree.leaves(stacked_state)[0].shape[0]

@@ -2,8 +2,9 @@
 
 Weight [C, K] in PyTorch cross-correlation order: tap K-1 multiplies the current token, tap 0 the
 token K-1 steps back. The output at t reads only inputs <= t: the K-1 inputs before the first one
-are the carried state (the previous call's last K-1 inputs, oldest first), zeros at the start of
-a sequence. Training starts from zeros; prefill and decode carry the state from call to call.
+are the given state (oldest first), zeros at the start of a sequence. Training and prefill start
+from zeros; a decode step passes the K-1 inputs before its token (GDN keeps them in a ring,
+`lalte_jax.inference.caches.GDNCache`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,6 @@ def causal_depthwise_conv(x_BTC: jax.Array, weight_CK: jax.Array,
   return sum(full_BSC[:, i:i + length, :] * weight[:, i] for i in range(kernel_size))
 
 
-def next_state(state_BKC: jax.Array, x_BTC: jax.Array) -> jax.Array:
-  """The last K-1 inputs of the sequence `state_BKC` then `x_BTC`: the state after x."""
-  taps = state_BKC.shape[1]
-  full_BSC = jnp.concatenate([state_BKC.astype(x_BTC.dtype), x_BTC], axis=1)
-  return full_BSC[:, full_BSC.shape[1] - taps:]
-
-
 class ShortConv(nnx.Module):
   """`SiLU(causal_depthwise_conv(x))`."""
 
@@ -44,7 +38,3 @@ class ShortConv(nnx.Module):
 
   def __call__(self, x_BTC: jax.Array, state_BKC: jax.Array | None = None) -> jax.Array:
     return jax.nn.silu(causal_depthwise_conv(x_BTC, self.weight[...], state_BKC))
-
-  def step(self, x_BTC: jax.Array, state_BKC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(the output on x after `state_BKC`, the state after x): prefill and decode."""
-    return self(x_BTC, state_BKC), next_state(state_BKC, x_BTC)

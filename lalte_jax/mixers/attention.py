@@ -3,7 +3,9 @@
 The q/k/v/o projections here are shared by every attention-type mixer (LTE and NSA add to them).
 
 Decoding: `prefill` runs the left-padded prompt (RoPE positions start at each row's first real
-token) and fills the cache, `decode` adds one token and attends over it. Caches
+token) and fills the cache, `decode` adds one token and attends over it, on the layer group's part
+of the stacked cache (`GroupSlot` leaves: it writes the new key and value in place and the
+attention op reads the group's slots from the stacked buffer). Caches
 (`lalte_jax.inference.caches.KVCache`): full attention keeps every key and value at slot = padded
 index; SWA keeps a ring of `window_size` slots, the key at padded index p in slot
 p % window_size. A full-attention layer may instead keep an `EvictionCache` (TOVA or uniform
@@ -18,7 +20,7 @@ from flax import nnx
 
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference import eviction
-from lalte_jax.inference.caches import KVCache, StepContext, write_prompt
+from lalte_jax.inference.caches import KVCache, StepContext, ring_from_prompt, write_prompt
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.projections import input_projection, output_projection
 from lalte_jax.sharding import per_shard
@@ -58,15 +60,6 @@ class AttentionProjections(nnx.Module):
     return self.o_proj(o_BTHD.reshape(batch, length, -1))
 
 
-def ring_from_prompt(x_BTKD: jax.Array, ring_size: int) -> jax.Array:
-  """The last `ring_size` prompt entries placed at slot (padded index mod ring_size)."""
-  length = x_BTKD.shape[1]
-  if length < ring_size:
-    return jnp.pad(x_BTKD, ((0, 0), (0, ring_size - length), (0, 0), (0, 0)))
-  start = length - ring_size
-  return jnp.roll(x_BTKD[:, start:], start % ring_size, axis=1)
-
-
 class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -104,7 +97,7 @@ class Attention(nnx.Module):
     return self.proj.output(o_BTHD), cache
 
   def decode(self, x_B1D: jax.Array, cache, ctx: StepContext):
-    """One new token per row at padded index `ctx.position`."""
+    """One new token per row at padded index `ctx.position`; `cache` holds `GroupSlot` leaves."""
     attn = self.config
     q_B1HD, k_B1KD, v_B1KD = self.proj.roped_qkv(x_B1D, ctx.real_positions_BT, attn.rope_theta)
     if isinstance(cache, eviction.EvictionCache):
@@ -114,9 +107,8 @@ class Attention(nnx.Module):
       return self.proj.output(o_B1HD), cache
     slots = cache.k_BSKD.shape[1]
     slot = ctx.position % slots if attn.window_size is not None else ctx.position
-    write = lambda buffer, x: jax.lax.dynamic_update_slice_in_dim(
-        buffer, x.astype(buffer.dtype), slot, axis=1)
-    cache = KVCache(k_BSKD=write(cache.k_BSKD, k_B1KD), v_BSKD=write(cache.v_BSKD, v_B1KD))
+    cache = KVCache(k_BSKD=cache.k_BSKD.write(k_B1KD, (0, slot)),
+                    v_BSKD=cache.v_BSKD.write(v_B1KD, (0, slot)))
     slot_S = jnp.arange(slots, dtype=jnp.int32)
     if attn.window_size is not None:
       # Padded index held by each ring slot: the latest p <= position with p = slot (mod size);
@@ -126,6 +118,7 @@ class Attention(nnx.Module):
       held_S = jnp.where(slot_S <= ctx.position, slot_S, -1)
     valid_BS = (held_S[None, :] >= ctx.pad_count_B[:, None]) & (held_S[None, :] >= 0)
     # The query is the newest token: every valid slot is in its past (no causal mask needed).
-    o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD, cache.v_BSKD, key_valid=valid_BS,
+    o_BHD = decode_attention(q_B1HD[:, 0], cache.k_BSKD.stacked, cache.v_BSKD.stacked,
+                             key_valid=valid_BS, group=cache.k_BSKD.group,
                              implementation=attn.implementation)
     return self.proj.output(o_BHD[:, None]), cache

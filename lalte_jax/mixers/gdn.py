@@ -4,9 +4,11 @@ x -> q, k, v (projection, causal depthwise conv 4, SiLU), beta = sigmoid(b_proj 
 g = -exp(A_log) * softplus(a_proj x + dt_bias) (natural-log decay, float32), the gated delta rule
 with q/k l2-normalised inside the kernel, then a per-head RMSNorm gated by SiLU(g_proj x), o_proj.
 
-Decoding (`step`, for prefill and decode alike) carries the cache `GDNCache`: the last
-`conv_size - 1` conv inputs of q, k and v and the float32 recurrent state. Left pads leave both
-unchanged, so a padded row ends in the state of its unpadded prompt.
+Decoding carries the cache `GDNCache`: rings of the last `conv_size` conv inputs of q, k and v and
+the float32 recurrent state. `prefill` runs the chunked rule over the prompt and fills the cache;
+`decode` steps one token on the layer group's part of the stacked cache (`GroupSlot` leaves),
+in place. Left pads leave the state unchanged (and give zero conv inputs), so a padded row ends
+in the state of its unpadded prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference.caches import GDNCache, StepContext
+from lalte_jax.inference.caches import GDNCache, StepContext, ring_from_prompt
 from lalte_jax.layers.norms import rms_normalize
 from lalte_jax.layers.short_conv import ShortConv
 from lalte_jax.mixers.projections import input_projection, output_projection
@@ -99,37 +101,63 @@ class GatedDeltaNet(nnx.Module):
     o_BTHV = per_shard(delta_rule, q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)
     return self.output(o_BTHV, x_BTD)
 
-  def step(self, x_BTD: jax.Array, cache: GDNCache, ctx: StepContext
-           ) -> tuple[jax.Array, GDNCache]:
-    """GDN on T >= 1 tokens continuing from `cache` (an empty one at prefill)."""
+  def _conv_inputs(self, x_BTD: jax.Array, ctx: StepContext) -> tuple[jax.Array, ...]:
+    """The pre-activation q, k, v projections [B, T, C] that the short convs read; zeros at pads,
+    which are exactly the zero padding of an unpadded row."""
+    valid_BT1 = ctx.valid_BT[:, :, None]
+    return tuple(jnp.where(valid_BT1, proj(x_BTD), 0)
+                 for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+  def _rule_inputs(self, x_BTD: jax.Array, convolved: tuple, ctx: StepContext) -> tuple:
+    """q, k, v, g, beta of the gated delta rule from the conv outputs [B, T, C]."""
     gdn = self.config.gdn
     batch, length = x_BTD.shape[:2]
-    valid_BT1 = ctx.valid_BT[:, :, None]
-
-    def conv(proj, conv_module, state_BKC, head_dim):
-      # Zeroed conv inputs at pads are exactly the zero padding of an unpadded row.
-      y_BTC, new_state = conv_module.step(jnp.where(valid_BT1, proj(x_BTD), 0), state_BKC)
-      return y_BTC.reshape(batch, length, gdn.num_heads, head_dim), new_state
-
-    q_BTHK, conv_q = conv(self.q_proj, self.q_conv, cache.conv_q_BKC, gdn.head_dim)
-    k_BTHK, conv_k = conv(self.k_proj, self.k_conv, cache.conv_k_BKC, gdn.head_dim)
-    v_BTHV, conv_v = conv(self.v_proj, self.v_conv, cache.conv_v_BKC, gdn.value_dim)
+    q_BTHK, k_BTHK, v_BTHV = (
+        y_BTC.reshape(batch, length, gdn.num_heads, dim)
+        for y_BTC, dim in zip(convolved, (gdn.head_dim, gdn.head_dim, gdn.value_dim)))
     g_BTH, beta_BTH = self.gates(x_BTD)
     # g = 0 (no decay) and beta = 0 (no write) make a pad an identity step of the recurrence.
-    g_BTH = jnp.where(valid_BT1, g_BTH, 0.0)
-    beta_BTH = jnp.where(valid_BT1, beta_BTH, 0.0)
-    if length == 1:
+    valid_BT1 = ctx.valid_BT[:, :, None]
+    return (q_BTHK, k_BTHK, v_BTHV, jnp.where(valid_BT1, g_BTH, 0.0),
+            jnp.where(valid_BT1, beta_BTH, 0.0))
+
+  def prefill(self, x_BTD: jax.Array, cache: GDNCache, ctx: StepContext
+              ) -> tuple[jax.Array, GDNCache]:
+    """GDN over a left-padded prompt of T >= 1 tokens and the cache after it (the cache's conv
+    rings on entry are ignored: a prompt starts a sequence)."""
+    gdn = self.config.gdn
+    inputs = self._conv_inputs(x_BTD, ctx)
+    convolved = [conv(x_BTC) for conv, x_BTC in zip((self.q_conv, self.k_conv, self.v_conv),
+                                                     inputs)]
+    if x_BTD.shape[1] == 1:
       kernel = fused_recurrent_gated_delta_rule
     else:
       kernel = functools.partial(chunk_gated_delta_rule,
                                  config=ChunkConfig(chunk_size=gdn.chunk_size))
-    o_BTHV, state_BHKV = kernel(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH,
+    o_BTHV, state_BHKV = kernel(*self._rule_inputs(x_BTD, convolved, ctx),
                                 initial_state=cache.state_BHKV, output_final_state=True,
                                 use_qk_l2norm=True, implementation=gdn.implementation)
-    new_cache = GDNCache(conv_q_BKC=conv_q, conv_k_BKC=conv_k, conv_v_BKC=conv_v,
-                         state_BHKV=state_BHKV.astype(jnp.float32))
-    return self.output(o_BTHV, x_BTD), new_cache
+    rings = (ring_from_prompt(x_BTC, gdn.conv_size) for x_BTC in inputs)
+    return self.output(o_BTHV, x_BTD), GDNCache(*rings, state_BHKV=state_BHKV.astype(jnp.float32))
 
-  # The recurrence runs the same way over a prompt and over one new token.
-  prefill = step
-  decode = step
+  def decode(self, x_B1D: jax.Array, cache: GDNCache, ctx: StepContext
+             ) -> tuple[jax.Array, GDNCache]:
+    """One token per row at padded index ctx.position, on the layer group's part of the stacked
+    cache (`GroupSlot` leaves), in place: the token's conv inputs go into the rings' oldest slot,
+    the convs then read the rings, and the recurrent state is stepped in the stacked buffer."""
+    gdn = self.config.gdn
+    inputs = self._conv_inputs(x_B1D, ctx)
+    rings = [slot.write(x_B1C, (0, ctx.position % gdn.conv_size))
+             for slot, x_B1C in zip((cache.conv_q_BKC, cache.conv_k_BKC, cache.conv_v_BKC),
+                                    inputs)]
+    # The rings hold inputs p - conv_size + 1 .. p; rolled oldest first, all but p are the state.
+    oldest = (ctx.position + 1) % gdn.conv_size
+    convolved = [conv(x_B1C, jnp.roll(ring.read(), -oldest, axis=1)[:, :-1])
+                 for conv, x_B1C, ring in zip((self.q_conv, self.k_conv, self.v_conv), inputs,
+                                              rings)]
+    state = cache.state_BHKV
+    o_B1HV, stacked_state = fused_recurrent_gated_delta_rule(
+        *self._rule_inputs(x_B1D, convolved, ctx), initial_state=state.stacked,
+        output_final_state=True, use_qk_l2norm=True, group=state.group,
+        implementation=gdn.implementation)
+    return self.output(o_B1HV, x_B1D), GDNCache(*rings, state.replace(stacked=stacked_state))

@@ -12,7 +12,8 @@ Decoding keeps the constant-memory LTE cache (§5; the cache and its array opera
 `lalte_jax.inference.lte_cache`, whose docstring describes it): `prefill` scores the prompt,
 fills the ring and the capped out-of-window set and runs every prompt query against its window
 plus that set; `decode` rescores the ring when due, evicts the oldest ring token into the set,
-inserts the new token and attends over the cache. Keys are roped at padded-tensor indices (§5.5).
+inserts the new token and attends over the cache, in place in the stacked decode cache. Keys are
+roped at padded-tensor indices (§5.5).
 """
 
 from __future__ import annotations
@@ -125,12 +126,13 @@ class LTEAttention(nnx.Module):
   def decode(self, x_B1D: jax.Array, cache: LTECache, ctx: StepContext
              ) -> tuple[jax.Array, LTECache]:
     """One new (real) token per row at position t = cache.position (§5.3), from a prefilled
-    cache or an empty one (`init_lte_cache`). The cache keeps its shapes and dtypes."""
+    cache or an empty one (`init_lte_cache`), on the layer group's part of the stacked cache
+    (`GroupSlot` leaves, updated in place). The cache keeps its shapes and dtypes."""
     del ctx  # the LTE cache tracks its own padded-tensor position (§5.5)
     lte = self.config
     batch = x_B1D.shape[0]
     q_B1HD, k_pre_B1KD, v_B1KD = self.proj.qkv(x_B1D)
-    positions_B1 = jnp.broadcast_to(cache.position, (batch, 1))
+    positions_B1 = jnp.broadcast_to(cache.position.read(), (batch, 1))
     q_B1HD = apply_rope(q_B1HD, positions_B1, lte.rope_theta)
     k_B1KD = apply_rope(k_pre_B1KD, positions_B1, lte.rope_theta)
 
@@ -147,7 +149,8 @@ class LTEAttention(nnx.Module):
     # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below
     # W + past_len (split so the kernel skips unfilled OOW slots).
     o_BHD = decode_attention(
-        q_B1HD[:, 0], cache.k, cache.v, scale=lte.head_dim ** -0.5,
-        length_BK=lte.window_keys + cache.past_len,
-        key_valid=lte_cache.visible_slots(cache, lte), implementation=lte.implementation)
+        q_B1HD[:, 0], cache.k.stacked, cache.v.stacked, scale=lte.head_dim ** -0.5,
+        length_BK=lte.window_keys + cache.past_len.read(),
+        key_valid=lte_cache.visible_slots(cache, lte), group=cache.k.group,
+        implementation=lte.implementation)
     return self.proj.output(o_BHD[:, None].astype(q_B1HD.dtype)), cache

@@ -6,8 +6,9 @@ first, previous and current blocks forced, a sliding window) live in `pallas_ker
 
 Decoding keeps every key and value at slot = the row's real position (pads removed, so blocks
 start at the row's first real token as in the reference's unpadding to varlen, §6) and the mean of
-every complete block (`lalte_jax.inference.caches.NSACache`); a decode step reads the block means,
-the selected blocks and the window, never the whole cache.
+every complete block (`lalte_jax.inference.caches.NSACache`); a decode step writes the new key,
+value and completed block mean into the layer group's part of the stacked cache in place and reads
+the block means, the selected blocks and the window, never the whole cache.
 """
 
 from __future__ import annotations
@@ -85,15 +86,17 @@ class NativeSparseAttention(nnx.Module):
 
   def decode(self, x_B1D: jax.Array, cache: NSACache, ctx: StepContext
              ) -> tuple[jax.Array, NSACache]:
-    """One new token per row, at its real position."""
+    """One new token per row, at its real position; `cache` holds `GroupSlot` leaves."""
     nsa = self.config
     real_pos_B = ctx.real_positions_BT[:, 0]
     q_B1HD, k_B1KD, v_B1KD, gates_B1H3 = self._qkv_gates(x_B1D, real_pos_B[:, None])
-    cache = NSACache(*nsa_ops.append_token(
-        cache.k_BSKD, cache.v_BSKD, cache.k_cmp_BNKD, cache.v_cmp_BNKD, k_B1KD[:, 0],
-        v_B1KD[:, 0], real_pos_B, block_size=nsa.block_size))
+    slots = (cache.k_BSKD, cache.v_BSKD, cache.k_cmp_BNKD, cache.v_cmp_BNKD)
+    group = cache.k_BSKD.group
+    stacked = nsa_ops.append_token(*(slot.stacked for slot in slots), k_B1KD[:, 0], v_B1KD[:, 0],
+                                   real_pos_B, block_size=nsa.block_size, group=group)
     o_BHD = nsa_ops.nsa_decode_attention(
-        q_B1HD[:, 0], gates_B1H3[:, 0], cache.k_BSKD, cache.v_BSKD, cache.k_cmp_BNKD,
-        cache.v_cmp_BNKD, real_pos_B, block_size=nsa.block_size, block_count=nsa.block_count,
-        window_size=nsa.window_size, implementation=nsa.implementation)
-    return self.proj.output(o_BHD[:, None]), cache
+        q_B1HD[:, 0], gates_B1H3[:, 0], *stacked, real_pos_B, block_size=nsa.block_size,
+        block_count=nsa.block_count, window_size=nsa.window_size, group=group,
+        implementation=nsa.implementation)
+    return self.proj.output(o_BHD[:, None]), NSACache(
+        *(slot.replace(stacked=x) for slot, x in zip(slots, stacked)))

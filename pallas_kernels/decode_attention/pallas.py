@@ -9,6 +9,10 @@ unnormalised partial output and softmax statistics (float32) and a small XLA ste
 Visibility follows `reference`: slot n < length[b, h] and key_valid[b, (h,) n]. Loads of slots
 that are not visible are masked, so invisible slots may hold anything (NaN included) and slots
 past a row's length cost no memory traffic.
+
+The cache arrives stacked over layer groups, [G, B, N, Hkv, D], with the group index as an int32
+[1] operand: programs read group g's slots straight from the stacked buffer (no copy of the
+group's slice is made for the call).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.pallas_common import (
     MIN_DOT_DIM, interpret_mode, is_power_of_two, merge_splits, triton_compiler_params,
     triton_dot)
+from pallas_kernels.stacked import group_operand
 
 # Running max before any visible slot: finite, so exp(m_old - m_new) stays 1 instead of NaN while
 # a program has seen only masked slots, and exp(-inf - m) = 0 for the masked scores.
@@ -90,8 +95,8 @@ def _num_cores() -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def _check_supported(q_BHD, k_BNKD, v_BNKD):
-  head_dim, value_dim = k_BNKD.shape[-1], v_BNKD.shape[-1]
+def _check_supported(q_BHD, k_GBNKD, v_GBNKD):
+  head_dim, value_dim = k_GBNKD.shape[-1], v_GBNKD.shape[-1]
   for name, dim in (("head dim", head_dim), ("value dim", value_dim)):
     if not is_power_of_two(dim) or dim < MIN_DOT_DIM:
       raise NotImplementedError(
@@ -105,10 +110,11 @@ def _check_supported(q_BHD, k_BNKD, v_BNKD):
 def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, heads_per_program,
                    block_slots, blocks_per_split, scale, final, precision):
   if has_valid:
-    q_ref, k_ref, v_ref, length_ref, valid_ref, *out_refs = refs
+    group_ref, q_ref, k_ref, v_ref, length_ref, valid_ref, *out_refs = refs
   else:
-    (q_ref, k_ref, v_ref, length_ref, *out_refs), valid_ref = refs, None
+    (group_ref, q_ref, k_ref, v_ref, length_ref, *out_refs), valid_ref = refs, None
   row, head_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer_group = group_ref[0]
   head_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
   kv_heads = [head_block * heads_per_program + j for j in range(heads_per_program)]
 
@@ -150,10 +156,10 @@ def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, heads_per
         else:
           flag_N = shared_flag_N
         visible_N = visible_N & (flag_N != 0)
-      k_ND = plgpu.load(k_ref.at[row, pl.ds(start, block_slots), kv_head, :],
+      k_ND = plgpu.load(k_ref.at[layer_group, row, pl.ds(start, block_slots), kv_head, :],
                         mask=jnp.broadcast_to(visible_N[:, None], (block_slots, head_dim)),
                         other=0.0)
-      v_NV = plgpu.load(v_ref.at[row, pl.ds(start, block_slots), kv_head, :],
+      v_NV = plgpu.load(v_ref.at[layer_group, row, pl.ds(start, block_slots), kv_head, :],
                         mask=jnp.broadcast_to(visible_N[:, None], (block_slots, value_dim)),
                         other=0.0)
       loaded.append((k_ND, v_NV, visible_N))
@@ -181,13 +187,13 @@ def _decode_kernel(*refs, has_valid, valid_per_head, group, group_pad, heads_per
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes"))
-def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key_valid=None,
-                     block_sizes: DecodeBlockSizes = DecodeBlockSizes()):
+def decode_attention(q_BHD, k_GBNKD, v_GBNKD, layer_group, *, scale: float, length_BK=None,
+                     key_valid=None, block_sizes: DecodeBlockSizes = DecodeBlockSizes()):
   """Same contract as `reference.decode_attention`; interpret mode off GPU."""
-  _check_supported(q_BHD, k_BNKD, v_BNKD)
+  _check_supported(q_BHD, k_GBNKD, v_GBNKD)
   batch, num_q_heads, _ = q_BHD.shape
-  _, num_slots, num_kv_heads, _ = k_BNKD.shape
-  value_dim = v_BNKD.shape[-1]
+  num_slots, num_kv_heads = k_GBNKD.shape[2], k_GBNKD.shape[3]
+  value_dim = v_GBNKD.shape[-1]
   group = num_q_heads // num_kv_heads
   group_pad = max(MIN_DOT_DIM, pl.next_power_of_2(group))
   heads_per_program = block_sizes.heads_per_program(num_kv_heads)
@@ -198,7 +204,7 @@ def decode_attention(q_BHD, k_BNKD, v_BNKD, *, scale: float, length_BK=None, key
   if length_BK is None:
     length_BK = jnp.full((batch, num_kv_heads), num_slots, jnp.int32)
   length_BK = jnp.clip(length_BK.astype(jnp.int32), 0, num_slots)
-  operands = [q_BHD, k_BNKD, v_BNKD, length_BK]
+  operands = [group_operand(layer_group), q_BHD, k_GBNKD, v_GBNKD, length_BK]
   if key_valid is not None:
     operands.append(key_valid.astype(jnp.int8))  # Triton loads bytes, not i1
 

@@ -5,7 +5,8 @@ Slot n of KV head h in row b is visible iff `n < length_BK[b, h]` and `key_valid
 with no visible slot outputs zeros. The order of the slots is irrelevant (no causal mask): every
 cached key is in the query's past. This is `masked_attention`'s definition with T = 1 and the
 visibility given directly, so the decode path of every cache (LTE ring + compacted set, SWA ring,
-full cache) shares one ground truth.
+full cache) shares one ground truth. The cache is stacked over layer groups, [G, B, N, Hkv, D],
+and group `group` is read (`pallas_kernels.stacked`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ def visible_slots(num_slots: int, batch: int, num_kv_heads: int, *, length_BK=No
   return visible_BKN
 
 
-def decode_attention(q_BHD: jax.Array, k_BNKD: jax.Array, v_BNKD: jax.Array, *, scale: float,
-                     length_BK: jax.Array | None = None, key_valid: jax.Array | None = None
-                     ) -> jax.Array:
+def decode_attention(q_BHD: jax.Array, k_GBNKD: jax.Array, v_GBNKD: jax.Array, group: jax.Array,
+                     *, scale: float, length_BK: jax.Array | None = None,
+                     key_valid: jax.Array | None = None) -> jax.Array:
   """[B, Hq, Dv] in q's dtype; softmax statistics in float32 (float64 for float64 inputs).
 
   Arguments are assumed valid (the public entry checks them).
   """
+  k_BNKD, v_BNKD = k_GBNKD[group], v_GBNKD[group]
   batch, num_slots, num_kv_heads, _ = k_BNKD.shape
   visible_BKN = visible_slots(num_slots, batch, num_kv_heads, length_BK=length_BK,
                               key_valid=key_valid)
@@ -42,11 +44,12 @@ def decode_attention(q_BHD: jax.Array, k_BNKD: jax.Array, v_BNKD: jax.Array, *, 
   return out_B1HD[:, 0].astype(q_BHD.dtype)
 
 
-def decode_attention_weights(q_BHD: jax.Array, k_BNKD: jax.Array, *, scale: float,
-                             length_BK: jax.Array | None = None,
+def decode_attention_weights(q_BHD: jax.Array, k_GBNKD: jax.Array, group: jax.Array, *,
+                             scale: float, length_BK: jax.Array | None = None,
                              key_valid: jax.Array | None = None) -> jax.Array:
   """[B, Hq, N]: each query head's softmax weights over the slots (0 where invisible), float32
   (float64 for float64 inputs). Arguments are assumed valid (the public entry checks them)."""
+  k_BNKD = k_GBNKD[group]
   batch, num_slots, num_kv_heads, _ = k_BNKD.shape
   visible_BKN = visible_slots(num_slots, batch, num_kv_heads, length_BK=length_BK,
                               key_valid=key_valid)

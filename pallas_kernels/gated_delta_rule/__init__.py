@@ -7,6 +7,10 @@
 q, k `[B,T,H,K]`, v `[B,T,H,V]`, g, beta `[B,T,H]` and an optional float32 state `[B,H,K,V]`, and
 return `(o [B,T,H,V] in v's dtype, final_state [B,H,K,V] float32 or None)`. Inputs may be bf16;
 states and accumulation are float32 (float64 when the inputs are, under x64).
+
+For decoding, `fused_recurrent_gated_delta_rule` also takes a state stacked over the model's layer
+groups with the group to step (`group=`, `pallas_kernels.stacked`): it then reads that group's state
+and writes the new one back into the stacked buffer, in place.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from pallas_kernels.gated_delta_rule.pallas_recurrent import (
 )
 from pallas_kernels.gated_delta_rule.pallas_state_pass import StatePassConfig
 from pallas_kernels.gated_delta_rule.reference import (
+    _prepare_inputs,
     chunk_gated_delta_rule_reference,
+    delta_rule_output,
+    delta_rule_update,
     naive_recurrent_gated_delta_rule,
 )
+from pallas_kernels.stacked import per_group, update_group_rows
 
 # What implementation=None runs on a GPU, for both entries: the Pallas kernels; inputs they cannot
 # take (float64, K or V above 256, a chunk size that is not a power of two >= 16) go to "xla".
@@ -158,6 +166,33 @@ def chunk_gated_delta_rule(
       config=ChunkConfig() if config is None else config)
 
 
+def _recurrent_xla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm,
+                   group):
+  """The reference recurrence; on a stacked state, token by token and one batch row of the group
+  at a time, in place (read whole, XLA would copy the group's state out and back every step)."""
+  if group is None:
+    return naive_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+  q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, _ = _prepare_inputs(
+      q, k, v, g, beta, None, scale, use_qk_l2norm)
+
+  def one_row(fn):  # a batched step applied to one row's state [H, K, V] and inputs
+    return lambda state_HKV, *inputs: fn(state_HKV[None], *(x[None] for x in inputs))[0]
+
+  def token(t, carry):
+    o_BTHV, state = carry
+    at_t = lambda *xs: tuple(jax.lax.dynamic_index_in_dim(x, t, 1, keepdims=False) for x in xs)
+    o_BHV, state = update_group_rows(
+        state, group, one_row(delta_rule_update), at_t(k_BTHK, v_BTHV, g_BTH, beta_BTH),
+        one_row(delta_rule_output), at_t(q_BTHK))
+    return jax.lax.dynamic_update_index_in_dim(o_BTHV, o_BHV.astype(v.dtype), t, 1), state
+
+  o_BTHV, state = jax.lax.fori_loop(0, q.shape[1], token,
+                                    (jnp.zeros(v.shape, v.dtype), initial_state))
+  return o_BTHV, state
+
+
 def fused_recurrent_gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -169,19 +204,29 @@ def fused_recurrent_gated_delta_rule(
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
+    group: jax.Array | None = None,
     implementation: Implementation = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Gated delta rule stepped token by token, for decoding (typically T = 1).
 
   Same arguments, shapes and results as `chunk_gated_delta_rule` (without `config`); its cost is
   T sequential steps, so use the chunked entry for long sequences.
+
+  group: int32 [] layer group to step when `initial_state` is stacked over the model's layer
+    groups, [G, B, H, K, V] float32: the final state returned is then that stacked array with the
+    group's state replaced (in place on a donated buffer); `output_final_state` must be True.
   """
-  _validate("fused_recurrent_gated_delta_rule", q, k, v, g, beta, initial_state)
+  op = "fused_recurrent_gated_delta_rule"
+  if group is not None:
+    if initial_state is None or not output_final_state:
+      raise ValueError(f"{op}: group needs the stacked initial_state and output_final_state=True")
+    _validate(op, q, k, v, g, beta, per_group(op, "initial_state", initial_state, group, 4))
+  else:
+    _validate(op, q, k, v, g, beta, initial_state)
   version = resolve(
-      "fused_recurrent_gated_delta_rule", implementation,
-      {"xla": naive_recurrent_gated_delta_rule,
-       "pallas": fused_recurrent_gated_delta_rule_pallas},
+      op, implementation,
+      {"xla": _recurrent_xla, "pallas": fused_recurrent_gated_delta_rule_pallas},
       gpu_default=GPU_DEFAULT)
   return version(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
-      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, group=group)

@@ -6,6 +6,11 @@ and steps through the T tokens:  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o 
 XLA's version runs one scan step (several small kernels) per token; here a decoding step (T = 1) is
 a single launch. Gradients (rarely needed for decoding) come from the float32 reference recurrence
 through a custom_vjp, so they are exact rather than unavailable.
+
+The state operand is stacked over layer groups, [G, B, H, K, V], with the group index as an int32
+[1] operand, and aliased to the final state: a decoding step reads and writes its layer group's
+state in the stacked buffer, in place. A plain state is padded to power-of-two K and V and stacked
+as a group of one; a stacked one must already have such sizes (no copy is made to pad it).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pallas_kernels.gated_delta_rule.reference import (
     naive_recurrent_gated_delta_rule,
 )
 from pallas_kernels.pallas_common import interpret_mode, next_power_of_two, triton_compiler_params
+from pallas_kernels.stacked import group_operand
 
 __all__ = ["RecurrentConfig", "fused_recurrent_gated_delta_rule_pallas"]
 
@@ -43,8 +49,13 @@ class RecurrentConfig:
       raise ValueError(f"RecurrentConfig.block_v must be a power of two >= 16, got {self.block_v}")
 
 
-def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, h_final_ref, *,
-                      seq_len):
+def _recurrent_kernel(group_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, h_final_ref,
+                      *, seq_len, block_v):
+  # h0_ref and h_final_ref are the whole stacked state (aliased); this program owns the
+  # [K, block_v] columns of (group, row, head).
+  state_at = (group_ref[0], pl.program_id(0), pl.program_id(1), slice(None),
+              pl.ds(pl.program_id(2) * block_v, block_v))
+
   def step(t, h_KV):
     token = pl.ds(t, 1)
     q_1K = q_ref[token, :]
@@ -56,51 +67,65 @@ def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, h_fin
     o_ref[token, :] = jnp.sum(q_1K.T * h_KV, axis=0, keepdims=True).astype(o_ref.dtype)
     return h_KV
 
-  h_final_ref[...] = jax.lax.fori_loop(0, seq_len, step, h0_ref[...])
+  h_final_ref[state_at] = jax.lax.fori_loop(0, seq_len, step, h0_ref[state_at])
 
 
-def _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
-  q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV = _prepare_inputs(
-      q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
+def _padded_dims(key_dim: int, value_dim: int) -> tuple[int, int]:
+  return next_power_of_two(key_dim), next_power_of_two(value_dim)
+
+
+def _forward(q, k, v, g, beta, state_GBHKV, group, scale, use_qk_l2norm, config):
+  """(o [B, T, H, V], the stacked final state) for a stacked state of power-of-two K and V."""
+  q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, _ = _prepare_inputs(
+      q, k, v, g, beta, None, scale, use_qk_l2norm)
   batch, seq_len, heads, key_dim = q_BTHK.shape
   value_dim = v_BTHV.shape[-1]
-  padded_k = next_power_of_two(key_dim)
-  padded_v = next_power_of_two(value_dim)
+  padded_k, padded_v = state_GBHKV.shape[-2:]
   block_v = min(config.block_v, padded_v)
   pad_last = lambda x, width: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
   q_BTHK = pad_last(q_BTHK, padded_k)
   k_BTHK = pad_last(k_BTHK, padded_k)
   v_BTHV = pad_last(v_BTHV, padded_v)
-  state_BHKV = jnp.pad(state_BHKV, [(0, 0), (0, 0), (0, padded_k - key_dim),
-                                    (0, padded_v - value_dim)])
   token_spec = lambda width, index: pl.BlockSpec((None, seq_len, None, width), index)
   gate_spec = pl.BlockSpec((None, None, seq_len), lambda b, h, j: (b, h, 0))
-  state_spec = pl.BlockSpec((None, None, padded_k, block_v), lambda b, h, j: (b, h, 0, j))
-  o_BTHV, final_state_BHKV = pl.pallas_call(
-      functools.partial(_recurrent_kernel, seq_len=seq_len),
+  o_BTHV, final_state_GBHKV = pl.pallas_call(
+      functools.partial(_recurrent_kernel, seq_len=seq_len, block_v=block_v),
       grid=(batch, heads, padded_v // block_v),
-      in_specs=[token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),
+      in_specs=[pl.no_block_spec,
+                token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),
                 token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),
                 token_spec(block_v, lambda b, h, j: (b, 0, h, j)),
-                gate_spec, gate_spec, state_spec],
-      out_specs=[token_spec(block_v, lambda b, h, j: (b, 0, h, j)), state_spec],
+                gate_spec, gate_spec, pl.no_block_spec],
+      out_specs=[token_spec(block_v, lambda b, h, j: (b, 0, h, j)), pl.no_block_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, padded_v), v.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, padded_k, padded_v), jnp.float32)],
+                 jax.ShapeDtypeStruct(state_GBHKV.shape, jnp.float32)],
+      input_output_aliases={6: 1},
       compiler_params=triton_compiler_params(config.num_warps, config.num_stages),
       interpret=interpret_mode(),
       name="gdn_fused_recurrent",
-  )(q_BTHK, k_BTHK, v_BTHV, jnp.transpose(g_BTH, (0, 2, 1)), jnp.transpose(beta_BTH, (0, 2, 1)),
-    state_BHKV)
-  return o_BTHV[..., :value_dim], final_state_BHKV[:, :, :key_dim, :value_dim]
+  )(group_operand(group), q_BTHK, k_BTHK, v_BTHV, jnp.transpose(g_BTH, (0, 2, 1)),
+    jnp.transpose(beta_BTH, (0, 2, 1)), state_GBHKV.astype(jnp.float32))
+  return o_BTHV[..., :value_dim], final_state_GBHKV
+
+
+def _plain_forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
+  """`_forward` for a plain [B, H, K, V] state: padded and stacked as a group of one."""
+  key_dim, value_dim = initial_state.shape[-2:]
+  padded_k, padded_v = _padded_dims(key_dim, value_dim)
+  state_1BHKV = jnp.pad(initial_state.astype(jnp.float32),
+                        [(0, 0), (0, 0), (0, padded_k - key_dim), (0, padded_v - value_dim)])[None]
+  o_BTHV, final_state = _forward(q, k, v, g, beta, state_1BHKV, jnp.zeros((), jnp.int32), scale,
+                                 use_qk_l2norm, config)
+  return o_BTHV, final_state[0, :, :, :key_dim, :value_dim]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _fused_recurrent(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
-  return _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
+  return _plain_forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
 
 
 def _fused_recurrent_fwd(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config):
-  outputs = _forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
+  outputs = _plain_forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
   return outputs, (q, k, v, g, beta, initial_state)
 
 
@@ -117,7 +142,7 @@ _fused_recurrent.defvjp(_fused_recurrent_fwd, _fused_recurrent_bwd)
 
 
 def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_state,
-                                            output_final_state, use_qk_l2norm,
+                                            output_final_state, use_qk_l2norm, group=None,
                                             config: RecurrentConfig | None = None):
   """Same contract as `fused_recurrent_gated_delta_rule` (inputs validated there)."""
   dtype = compute_dtype(q, k, v, g, beta, initial_state)
@@ -125,8 +150,16 @@ def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale, initial_
     raise NotImplementedError(
         f"fused_recurrent_gated_delta_rule(implementation='pallas'): compute dtype {dtype}; the"
         " Triton kernel computes in float32 (use implementation='xla')")
+  config = RecurrentConfig() if config is None else config
+  if group is not None:
+    key_dim, value_dim = initial_state.shape[-2:]
+    if _padded_dims(key_dim, value_dim) != (key_dim, value_dim):
+      raise NotImplementedError(
+          f"fused_recurrent_gated_delta_rule(implementation='pallas'): a stacked state needs"
+          f" power-of-two K and V >= 16 (it is updated in place, not padded), got {key_dim},"
+          f" {value_dim}")
+    return _forward(q, k, v, g, beta, initial_state, group, scale, use_qk_l2norm, config)
   if initial_state is None:
     initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-  o, final_state = _fused_recurrent(q, k, v, g, beta, initial_state, scale, use_qk_l2norm,
-                                    RecurrentConfig() if config is None else config)
+  o, final_state = _fused_recurrent(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, config)
   return o, (final_state if output_final_state else None)

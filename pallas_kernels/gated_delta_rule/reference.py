@@ -132,6 +132,23 @@ def _prepare_inputs(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
   return q_BTHK, k_BTHK, v.astype(dtype), g.astype(dtype), beta.astype(dtype), state_BHKV
 
 
+def delta_rule_update(state_BHKV: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BH: jax.Array,
+                      beta_BH: jax.Array) -> jax.Array:
+  """The state after one token, in the delta-rule form S = a S;  u = beta (v - S^T k);
+  S = S + k u^T, which equals the definition a (I - beta k k^T) S + beta k v^T without forming a
+  K x K matrix."""
+  state_BHKV = jnp.exp(g_BH)[:, :, None, None] * state_BHKV
+  # What the decayed state already predicts for k; the delta rule writes only the error.
+  predicted_BHV = _einsum("bhk,bhkv->bhv", k_BHK, state_BHKV)
+  update_BHV = beta_BH[:, :, None] * (v_BHV - predicted_BHV)
+  return state_BHKV + _einsum("bhk,bhv->bhkv", k_BHK, update_BHV)
+
+
+def delta_rule_output(state_BHKV: jax.Array, q_BHK: jax.Array) -> jax.Array:
+  """o = S^T q of the state after the token (q already scaled)."""
+  return _einsum("bhk,bhkv->bhv", q_BHK, state_BHKV)
+
+
 def naive_recurrent_gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -144,24 +161,16 @@ def naive_recurrent_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """The recurrence token by token (`lax.scan` over T): the ground truth, and the decoding path.
-
-  Shapes as in the module docstring. Each step uses the delta-rule form
-  S = a S;  u = beta (v - S^T k);  S = S + k u^T, which equals the definition
-  a (I - beta k k^T) S + beta k v^T without forming a K x K matrix.
-  """
+  """The recurrence token by token (`lax.scan` over T of `delta_rule_update` and
+  `delta_rule_output`): the ground truth, and the decoding path. Shapes as in the module
+  docstring."""
   q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV = _prepare_inputs(
       q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
 
   def step(state_BHKV, inputs):
     q_BHK, k_BHK, v_BHV, g_BH, beta_BH = inputs
-    state_BHKV = jnp.exp(g_BH)[:, :, None, None] * state_BHKV
-    # What the decayed state already predicts for k; the delta rule writes only the error.
-    predicted_BHV = _einsum("bhk,bhkv->bhv", k_BHK, state_BHKV)
-    update_BHV = beta_BH[:, :, None] * (v_BHV - predicted_BHV)
-    state_BHKV = state_BHKV + _einsum("bhk,bhv->bhkv", k_BHK, update_BHV)
-    o_BHV = _einsum("bhk,bhkv->bhv", q_BHK, state_BHKV)
-    return state_BHKV, o_BHV
+    state_BHKV = delta_rule_update(state_BHKV, k_BHK, v_BHV, g_BH, beta_BH)
+    return state_BHKV, delta_rule_output(state_BHKV, q_BHK)
 
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
   final_state_BHKV, o_TBHV = jax.lax.scan(

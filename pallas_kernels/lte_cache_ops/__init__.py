@@ -13,6 +13,7 @@ import jax
 
 from pallas_kernels.dispatch import Implementation, resolve
 from pallas_kernels.lte_cache_ops import pallas, pallas_compaction, reference
+from pallas_kernels.stacked import as_stacked, per_group
 
 __all__ = ["compact_top_scores", "evict_and_insert"]
 
@@ -62,7 +63,7 @@ def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Arra
 def evict_and_insert(k_BSKD: jax.Array, v_BSKD: jax.Array, score_BSK: jax.Array,
                      past_len_BK: jax.Array, ptr: jax.Array, new_k_BKD: jax.Array,
                      new_v_BKD: jax.Array, new_score_BK: jax.Array, *, window_keys: int,
-                     implementation: Implementation = None):
+                     group: jax.Array | None = None, implementation: Implementation = None):
   """One decode step's cache movement: evict ring slot `ptr` into the OOW set, insert the new token.
 
   Args:
@@ -72,29 +73,39 @@ def evict_and_insert(k_BSKD: jax.Array, v_BSKD: jax.Array, score_BSK: jax.Array,
     ptr: [] int32 ring slot of the leaving token, where the new token goes.
     new_k_BKD, new_v_BKD: [B, K, D] the new token; new_score_BK: [B, K] its score.
     window_keys: W.
-    implementation: "xla" or "pallas" (in place through buffer aliasing); None:
+    group: int32 [] layer group to update when the four cache arrays are stacked over the model's
+      layer groups ([G, ...] each): only that group's moved rows change (None: plain arrays).
+    implementation: "xla" (scatters of the moved rows) or "pallas" (one program per (row, KV head),
+      the buffers aliased to the outputs); both update a donated cache in place. None:
       EVICT_INSERT_GPU_DEFAULT on a GPU, "xla" elsewhere.
 
   Returns:
-    (k, v, score, past_len) after the step; same shapes and dtypes.
+    (k, v, score, past_len) after the step; same shapes and dtypes as given.
   """
-  batch, slots, num_kv_heads, _ = k_BSKD.shape
+  op = "evict_and_insert"
+  k, v = per_group(op, "k_BSKD", k_BSKD, group, 4), per_group(op, "v_BSKD", v_BSKD, group, 4)
+  score = per_group(op, "score_BSK", score_BSK, group, 3)
+  past_len = per_group(op, "past_len_BK", past_len_BK, group, 2)
+  batch, slots, num_kv_heads, _ = k.shape
   if not 0 < window_keys < slots:
-    raise ValueError(f"evict_and_insert: window_keys must be in (0, {slots}), got {window_keys}")
-  if v_BSKD.shape[:3] != k_BSKD.shape[:3] or score_BSK.shape != k_BSKD.shape[:3]:
-    raise ValueError(f"evict_and_insert: v_BSKD {v_BSKD.shape} and score_BSK {score_BSK.shape}"
-                     f" must match k_BSKD {k_BSKD.shape} on [B, S, K]")
-  if past_len_BK.shape != (batch, num_kv_heads):
-    raise ValueError(f"evict_and_insert: past_len_BK must be [B, K] = {(batch, num_kv_heads)},"
-                     f" got {past_len_BK.shape}")
-  if (new_k_BKD.shape != (batch, num_kv_heads, k_BSKD.shape[-1])
-      or new_v_BKD.shape != (batch, num_kv_heads, v_BSKD.shape[-1])
+    raise ValueError(f"{op}: window_keys must be in (0, {slots}), got {window_keys}")
+  if v.shape[:3] != k.shape[:3] or score.shape != k.shape[:3]:
+    raise ValueError(f"{op}: v_BSKD {v.shape} and score_BSK {score.shape} must match k_BSKD"
+                     f" {k.shape} on [B, S, K]")
+  if past_len.shape != (batch, num_kv_heads):
+    raise ValueError(f"{op}: past_len_BK must be [B, K] = {(batch, num_kv_heads)}, got"
+                     f" {past_len.shape}")
+  if (new_k_BKD.shape != (batch, num_kv_heads, k.shape[-1])
+      or new_v_BKD.shape != (batch, num_kv_heads, v.shape[-1])
       or new_score_BK.shape != (batch, num_kv_heads)):
-    raise ValueError(f"evict_and_insert: new_k_BKD {new_k_BKD.shape}, new_v_BKD"
-                     f" {new_v_BKD.shape}, new_score_BK {new_score_BK.shape} must be [B, K, D] /"
-                     " [B, K] for the cache's B and K")
-  version = resolve("evict_and_insert", implementation,
+    raise ValueError(f"{op}: new_k_BKD {new_k_BKD.shape}, new_v_BKD {new_v_BKD.shape},"
+                     f" new_score_BK {new_score_BK.shape} must be [B, K, D] / [B, K] for the"
+                     " cache's B and K")
+  version = resolve(op, implementation,
                     {"xla": reference.evict_and_insert, "pallas": pallas.evict_and_insert},
                     gpu_default=EVICT_INSERT_GPU_DEFAULT)
-  return version(k_BSKD, v_BSKD, score_BSK, past_len_BK, ptr, new_k_BKD, new_v_BKD,
-                 new_score_BK, window_keys=window_keys)
+  stacked = [as_stacked(x, group) for x in (k_BSKD, v_BSKD, score_BSK, past_len_BK)]
+  index = stacked[0][1]
+  out = version(*(x for x, _ in stacked), ptr, new_k_BKD, new_v_BKD, new_score_BK, index,
+                window_keys=window_keys)
+  return out if group is not None else tuple(x[0] for x in out)

@@ -17,25 +17,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.pallas_common import interpret_mode, triton_compiler_params
+from pallas_kernels.stacked import group_operand
 
 
-def _evict_insert_kernel(ptr_ref, past_len_ref, k_ref, v_ref, score_ref, new_k_ref, new_v_ref,
-                         new_score_ref, k_out, v_out, score_out, past_len_out, *, window_keys,
-                         cap, cap_pad):
+def _evict_insert_kernel(group_ref, ptr_ref, past_len_ref, k_ref, v_ref, score_ref, new_k_ref,
+                         new_v_ref, new_score_ref, k_out, v_out, score_out, past_len_out, *,
+                         window_keys, cap, cap_pad):
   # The outputs alias the cache inputs: read the old contents through the inputs, write through
-  # the outputs, and leave every other slot as it is.
+  # the outputs, and leave every other slot as it is. Index g is the layer group.
   row, kv_head = pl.program_id(0), pl.program_id(1)
+  g = group_ref[0]
   head_dim, value_dim = k_ref.shape[-1], v_ref.shape[-1]
   ptr = ptr_ref[0]
-  past_len = past_len_ref[row, kv_head]
-  leaving_score = score_ref[row, ptr, kv_head]
+  past_len = past_len_ref[g, row, kv_head]
+  leaving_score = score_ref[g, row, ptr, kv_head]
 
   entry_C = jnp.arange(cap_pad)
   valid_C = entry_C < jnp.minimum(past_len, cap)
   # A traced start: the padded range may pass the array's end (masked), which JAX's static slice
   # check would reject.
   oow_start = jnp.asarray(window_keys, jnp.int32)
-  oow_score_C = plgpu.load(score_ref.at[row, pl.ds(oow_start, cap_pad), kv_head],
+  oow_score_C = plgpu.load(score_ref.at[g, row, pl.ds(oow_start, cap_pad), kv_head],
                            mask=valid_C, other=jnp.inf)
   oow_score_C = jnp.where(valid_C, oow_score_C, jnp.inf)
   min_score = jnp.min(oow_score_C)
@@ -46,19 +48,19 @@ def _evict_insert_kernel(ptr_ref, past_len_ref, k_ref, v_ref, score_ref, new_k_r
   write = (leaving_score > 0) & (has_room | (min_score < leaving_score))
   target = window_keys + jnp.where(has_room, past_len, min_index)
 
-  leaving_k_D = k_ref[row, ptr, kv_head, :]
-  leaving_v_V = v_ref[row, ptr, kv_head, :]
-  plgpu.store(k_out.at[row, target, kv_head, :], leaving_k_D,
+  leaving_k_D = k_ref[g, row, ptr, kv_head, :]
+  leaving_v_V = v_ref[g, row, ptr, kv_head, :]
+  plgpu.store(k_out.at[g, row, target, kv_head, :], leaving_k_D,
               mask=jnp.broadcast_to(write, (head_dim,)))
-  plgpu.store(v_out.at[row, target, kv_head, :], leaving_v_V,
+  plgpu.store(v_out.at[g, row, target, kv_head, :], leaving_v_V,
               mask=jnp.broadcast_to(write, (value_dim,)))
-  plgpu.store(score_out.at[row, target, kv_head], leaving_score, mask=write)
-  past_len_out[row, kv_head] = past_len + (write & has_room).astype(jnp.int32)
+  plgpu.store(score_out.at[g, row, target, kv_head], leaving_score, mask=write)
+  past_len_out[g, row, kv_head] = past_len + (write & has_room).astype(jnp.int32)
 
   # The new token takes the leaving token's ring slot (read above, so the order is safe).
-  k_out[row, ptr, kv_head, :] = new_k_ref[row, kv_head, :].astype(k_out.dtype)
-  v_out[row, ptr, kv_head, :] = new_v_ref[row, kv_head, :].astype(v_out.dtype)
-  score_out[row, ptr, kv_head] = new_score_ref[row, kv_head].astype(score_out.dtype)
+  k_out[g, row, ptr, kv_head, :] = new_k_ref[row, kv_head, :].astype(k_out.dtype)
+  v_out[g, row, ptr, kv_head, :] = new_v_ref[row, kv_head, :].astype(v_out.dtype)
+  score_out[g, row, ptr, kv_head] = new_score_ref[row, kv_head].astype(score_out.dtype)
 
 
 def _check_supported(k_BSKD, v_BSKD):
@@ -69,27 +71,26 @@ def _check_supported(k_BSKD, v_BSKD):
 
 
 @functools.partial(jax.jit, static_argnames=("window_keys",))
-def evict_and_insert(k_BSKD, v_BSKD, score_BSK, past_len_BK, ptr, new_k_BKD, new_v_BKD,
-                     new_score_BK, *, window_keys: int):
-  """Same contract as `reference.evict_and_insert`; the cache buffers are updated in place
+def evict_and_insert(k_GBSKD, v_GBSKD, score_GBSK, past_len_GBK, ptr, new_k_BKD, new_v_BKD,
+                     new_score_BK, group, *, window_keys: int):
+  """Same contract as `reference.evict_and_insert`; the stacked cache buffers are updated in place
   (XLA copies them first only when the caller still needs the old ones)."""
-  _check_supported(k_BSKD, v_BSKD)
-  batch, slots, num_kv_heads, _ = k_BSKD.shape
+  _check_supported(k_GBSKD, v_GBSKD)
+  batch, slots, num_kv_heads = k_GBSKD.shape[1:4]
   cap = slots - window_keys
   kernel = functools.partial(_evict_insert_kernel, window_keys=window_keys, cap=cap,
                              cap_pad=pl.next_power_of_2(max(cap, 1)))
   ptr_1 = jnp.reshape(ptr, (1,)).astype(jnp.int32)
-  k_BSKD, v_BSKD, score_BSK, past_len_BK = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct(k_BSKD.shape, k_BSKD.dtype),
-                 jax.ShapeDtypeStruct(v_BSKD.shape, v_BSKD.dtype),
-                 jax.ShapeDtypeStruct(score_BSK.shape, score_BSK.dtype),
-                 jax.ShapeDtypeStruct(past_len_BK.shape, jnp.int32)),
+      out_shape=(jax.ShapeDtypeStruct(k_GBSKD.shape, k_GBSKD.dtype),
+                 jax.ShapeDtypeStruct(v_GBSKD.shape, v_GBSKD.dtype),
+                 jax.ShapeDtypeStruct(score_GBSK.shape, score_GBSK.dtype),
+                 jax.ShapeDtypeStruct(past_len_GBK.shape, jnp.int32)),
       grid=(batch, num_kv_heads),
-      input_output_aliases={2: 0, 3: 1, 4: 2, 1: 3},
+      input_output_aliases={3: 0, 4: 1, 5: 2, 2: 3},
       compiler_params=triton_compiler_params(num_warps=1, num_stages=1),
       interpret=interpret_mode(),
       name="lte_evict_and_insert",
-  )(ptr_1, past_len_BK.astype(jnp.int32), k_BSKD, v_BSKD, score_BSK, new_k_BKD, new_v_BKD,
-    new_score_BK)
-  return k_BSKD, v_BSKD, score_BSK, past_len_BK
+  )(group_operand(group), ptr_1, past_len_GBK.astype(jnp.int32), k_GBSKD, v_GBSKD, score_GBSK,
+    new_k_BKD, new_v_BKD, new_score_BK)

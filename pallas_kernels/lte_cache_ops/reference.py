@@ -2,6 +2,7 @@
 
 Cache layout (§5.1): slots [0, W) are the ring, slots [W, W + b) the compacted out-of-window (OOW)
 set whose first `past_len[b, h]` entries are valid. Scores are float32, sinks +inf, blanks -inf.
+The decode step works on caches stacked over the model's layer groups (`pallas_kernels.stacked`).
 
 - `compact_top_scores` (prefill): per (row, KV head), the top-min(b, n) of the first n tokens by
   score, kept if score > 0, copied to the OOW segment in position order.
@@ -55,45 +56,47 @@ def compact_top_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, score_BTK: jax.Arra
   return oow_k, oow_v, oow_score, past_len_BK, jnp.transpose(kept_BKT, (0, 2, 1))
 
 
-def evict_and_insert(k_BSKD: jax.Array, v_BSKD: jax.Array, score_BSK: jax.Array,
-                     past_len_BK: jax.Array, ptr: jax.Array, new_k_BKD: jax.Array,
-                     new_v_BKD: jax.Array, new_score_BK: jax.Array, *, window_keys: int):
-  """One decode step's cache movement (module docstring); returns (k, v, score, past_len).
+def evict_and_insert(k_GBSKD: jax.Array, v_GBSKD: jax.Array, score_GBSK: jax.Array,
+                     past_len_GBK: jax.Array, ptr: jax.Array, new_k_BKD: jax.Array,
+                     new_v_BKD: jax.Array, new_score_BK: jax.Array, group: jax.Array, *,
+                     window_keys: int):
+  """One decode step's cache movement (module docstring) on layer group `group` of caches stacked
+  over the groups; returns the stacked (k, v, score, past_len).
 
-  k, v [B, W + b, K, D]; score [B, W + b, K] float32; past_len [B, K] int32; ptr [] int32 the ring
-  slot of the leaving token (and of the new one); new_k, new_v [B, K, D]; new_score [B, K].
+  k, v [G, B, W + b, K, D]; score [G, B, W + b, K] float32; past_len [G, B, K] int32; ptr [] int32
+  the ring slot of the leaving token (and of the new one); new_k, new_v [B, K, D]; new_score
+  [B, K]. Only the moved rows are read and written (scatters that XLA performs in place on a
+  donated cache).
   """
-  cap = k_BSKD.shape[1] - window_keys
-  leaving_k_BKD = jax.lax.dynamic_index_in_dim(k_BSKD, ptr, axis=1, keepdims=False)
-  leaving_v_BKD = jax.lax.dynamic_index_in_dim(v_BSKD, ptr, axis=1, keepdims=False)
-  leaving_score_BK = jax.lax.dynamic_index_in_dim(score_BSK, ptr, axis=1, keepdims=False)
+  batch, slots, num_kv_heads = k_GBSKD.shape[1:4]
+  cap = slots - window_keys
+  leaving_k_BKD, leaving_v_BKD = k_GBSKD[group, :, ptr], v_GBSKD[group, :, ptr]
+  leaving_score_BK = score_GBSK[group, :, ptr]
+  past_len_BK = past_len_GBK[group]
 
-  oow_k, oow_v = k_BSKD[:, window_keys:], v_BSKD[:, window_keys:]
-  oow_score_BCK = score_BSK[:, window_keys:]
   entry_C = jnp.arange(cap, dtype=jnp.int32)
   valid_BCK = entry_C[None, :, None] < past_len_BK[:, None, :]
   # The minimum is looked up only when the set is full, i.e. when every entry is valid.
-  masked_BCK = jnp.where(valid_BCK, oow_score_BCK, jnp.inf)
+  masked_BCK = jnp.where(valid_BCK, score_GBSK[group, :, window_keys:], jnp.inf)
   min_index_BK = jnp.argmin(masked_BCK, axis=1).astype(jnp.int32)
   min_score_BK = jnp.min(masked_BCK, axis=1)
 
   has_room_BK = past_len_BK < cap
   write_BK = (leaving_score_BK > 0) & (has_room_BK | (min_score_BK < leaving_score_BK))
-  target_BK = jnp.where(has_room_BK, past_len_BK, min_index_BK)
-  # A one-hot write per (row, head): each (row, head) targets its own entry.
-  write_BCK = (entry_C[None, :, None] == target_BK[:, None, :]) & write_BK[:, None, :]
-  oow_k = jnp.where(write_BCK[..., None], leaving_k_BKD[:, None], oow_k)
-  oow_v = jnp.where(write_BCK[..., None], leaving_v_BKD[:, None], oow_v)
-  oow_score_BCK = jnp.where(write_BCK, leaving_score_BK[:, None], oow_score_BCK)
-  past_len_BK = past_len_BK + (write_BK & has_room_BK).astype(jnp.int32)
+  # past_len is written first and the append slot read back from it, so that the scatters below
+  # follow every read of the old scores (XLA fuses the leaving score's read into the past_len
+  # update too; a read that the score scatter did not depend on would make it copy the scores).
+  past_len_GBK = past_len_GBK.at[group].set(past_len_BK + (write_BK & has_room_BK))
+  appended_BK = past_len_GBK[group] - 1
+  # Slot `slots` is past the end: the scatters drop the (row, head) pairs that write nothing.
+  target_BK = jnp.where(write_BK, window_keys + jnp.where(has_room_BK, appended_BK, min_index_BK),
+                        slots)
+  row_BK = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, num_kv_heads))
+  head_BK = jnp.broadcast_to(jnp.arange(num_kv_heads)[None, :], (batch, num_kv_heads))
 
-  k_BSKD = jnp.concatenate([k_BSKD[:, :window_keys], oow_k], axis=1)
-  v_BSKD = jnp.concatenate([v_BSKD[:, :window_keys], oow_v], axis=1)
-  score_BSK = jnp.concatenate([score_BSK[:, :window_keys], oow_score_BCK], axis=1)
-  k_BSKD = jax.lax.dynamic_update_slice_in_dim(
-      k_BSKD, new_k_BKD[:, None].astype(k_BSKD.dtype), ptr, 1)
-  v_BSKD = jax.lax.dynamic_update_slice_in_dim(
-      v_BSKD, new_v_BKD[:, None].astype(v_BSKD.dtype), ptr, 1)
-  score_BSK = jax.lax.dynamic_update_slice_in_dim(
-      score_BSK, new_score_BK[:, None].astype(score_BSK.dtype), ptr, 1)
-  return k_BSKD, v_BSKD, score_BSK, past_len_BK
+  def move(x, leaving, new):  # the leaving row into the OOW set, then the new row into slot ptr
+    x = x.at[group, row_BK, target_BK, head_BK].set(leaving, mode="drop")
+    return x.at[group, :, ptr].set(new.astype(x.dtype))
+
+  return (move(k_GBSKD, leaving_k_BKD, new_k_BKD), move(v_GBSKD, leaving_v_BKD, new_v_BKD),
+          move(score_GBSK, leaving_score_BK, new_score_BK), past_len_GBK)

@@ -16,6 +16,10 @@ A decode loop per layer:
     per step, for the token at position t_B (= L_B, then + 1 each step):
       k, v, k_cmp, v_cmp = append_token(k, v, k_cmp, v_cmp, new_k, new_v, t_B, ...)
       o_BHD = nsa_decode_attention(q_BHD, gates_BH3, k, v, k_cmp, v_cmp, t_B, ...)
+
+`append_token` and `nsa_decode_attention` also take the four caches stacked over the model's layer
+groups with the group to use (`group=`, `pallas_kernels.stacked`): they then write and read that
+group's part of the stacked buffers in place.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention_checks import check_positive_int, check_qkv
 from pallas_kernels.dispatch import Implementation, resolve
-from pallas_kernels.nsa import pallas_decode, reference
+from pallas_kernels.nsa import pallas_decode, reference, xla_decode
 from pallas_kernels.nsa.tiling import NSABlockSizes
 from pallas_kernels.pallas_common import cdiv, round_up
+from pallas_kernels.stacked import as_stacked, per_group
 
 __all__ = ["append_token", "cache_length", "compress_prompt", "compressed_blocks",
            "nsa_decode_attention"]
@@ -51,12 +56,15 @@ def compressed_blocks(max_length: int, block_size: int,
   return round_up(cdiv(max_length, block_size), block_sizes.cmp_keys)
 
 
-def _pool_block(x_BSKD, block_B, block_size: int):
-  """Mean over each row's block block_B[b] (float32 sums), in x's dtype: [B, Hkv, D]."""
-  take = lambda x_SKD, block: jax.lax.dynamic_slice_in_dim(x_SKD, block * block_size,
-                                                           block_size)
-  blocks_BSKD = jax.vmap(take)(x_BSKD, block_B)
-  return jnp.mean(blocks_BSKD.astype(jnp.float32), axis=1).astype(x_BSKD.dtype)
+def _pool_block(x_GBSKD, group, block_B, block_size: int):
+  """Mean over each row's block block_B[b] of group `group` (float32 sums), in x's dtype:
+  [B, Hkv, D]."""
+  zero = jnp.zeros((), jnp.int32)
+  take = lambda row, block: jax.lax.dynamic_slice(
+      x_GBSKD, (group, row, (block * block_size).astype(jnp.int32), zero, zero),
+      (1, 1, block_size, *x_GBSKD.shape[3:]))[0, 0]
+  blocks_BSKD = jax.vmap(take)(jnp.arange(block_B.shape[0], dtype=jnp.int32), block_B)
+  return jnp.mean(blocks_BSKD.astype(jnp.float32), axis=1).astype(x_GBSKD.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks"))
@@ -83,28 +91,36 @@ def compress_prompt(k_BSKD: jax.Array, v_BSKD: jax.Array, length_B: jax.Array, *
 @functools.partial(jax.jit, static_argnames=("block_size",))
 def append_token(k_BSKD: jax.Array, v_BSKD: jax.Array, k_cmp_BNKD: jax.Array,
                  v_cmp_BNKD: jax.Array, new_k_BKD: jax.Array, new_v_BKD: jax.Array,
-                 position_B: jax.Array, *, block_size: int):
+                 position_B: jax.Array, *, block_size: int, group: jax.Array | None = None):
   """Writes each row's new key/value at slot position_B[b]; a row whose token completes its
   block (position + 1 a multiple of block_size) also writes that block's mean to the compressed
   cache. Returns the four cache arrays (updated in place when the caller donates them, as a
-  jitted decode step does with its cache)."""
-  rows_B = jnp.arange(k_BSKD.shape[0])
-  k_BSKD = k_BSKD.at[rows_B, position_B].set(new_k_BKD.astype(k_BSKD.dtype))
-  v_BSKD = v_BSKD.at[rows_B, position_B].set(new_v_BKD.astype(v_BSKD.dtype))
+  jitted decode step does with its cache). With `group`, the caches are stacked over layer
+  groups ([G, B, ...]) and only group `group`'s new rows are written."""
+  stacked = [as_stacked(x, group) for x in (k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD)]
+  (k_GBSKD, index), (v_GBSKD, _), (k_cmp_GBNKD, _), (v_cmp_GBNKD, _) = stacked
+  rows_B = jnp.arange(k_GBSKD.shape[1])
+  k_GBSKD = k_GBSKD.at[index, rows_B, position_B].set(new_k_BKD.astype(k_GBSKD.dtype))
+  v_GBSKD = v_GBSKD.at[index, rows_B, position_B].set(new_v_BKD.astype(v_GBSKD.dtype))
   block_B = position_B // block_size
-  completes_B11 = ((position_B + 1) % block_size == 0)[:, None, None]
+  # Rows whose block is not complete write to block index N (past the end): dropped.
+  target_B = jnp.where((position_B + 1) % block_size == 0, block_B, k_cmp_GBNKD.shape[2])
 
-  def pooled(x_BSKD, x_cmp_BNKD):
-    new_BKD = jnp.where(completes_B11, _pool_block(x_BSKD, block_B, block_size),
-                        x_cmp_BNKD[rows_B, block_B])
-    return x_cmp_BNKD.at[rows_B, block_B].set(new_BKD)
+  def pooled(x_GBSKD, x_cmp_GBNKD):
+    return x_cmp_GBNKD.at[index, rows_B, target_B].set(
+        _pool_block(x_GBSKD, index, block_B, block_size), mode="drop")
 
-  return k_BSKD, v_BSKD, pooled(k_BSKD, k_cmp_BNKD), pooled(v_BSKD, v_cmp_BNKD)
+  out = (k_GBSKD, v_GBSKD, pooled(k_GBSKD, k_cmp_GBNKD), pooled(v_GBSKD, v_cmp_GBNKD))
+  return out if group is not None else tuple(x[0] for x in out)
 
 
 def _check_arguments(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, position_B,
-                     block_size, block_count, window_size):
+                     block_size, block_count, window_size, group):
   op = "nsa_decode_attention"
+  k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD = (
+      per_group(op, name, x, group, 4) for name, x in (
+          ("k_BSKD", k_BSKD), ("v_BSKD", v_BSKD), ("k_cmp_BNKD", k_cmp_BNKD),
+          ("v_cmp_BNKD", v_cmp_BNKD)))
   check_qkv(op, q_BHD, k_BSKD, v_BSKD, names=("q_BHD", "k_BSKD", "v_BSKD"), one_query=True)
   batch, num_q_heads = q_BHD.shape[:2]
   for name, value in (("block_size", block_size), ("block_count", block_count),
@@ -140,6 +156,7 @@ def nsa_decode_attention(
     block_count: int,
     window_size: int,
     scale: float | None = None,
+    group: jax.Array | None = None,
     implementation: Implementation = None,
 ) -> jax.Array:
   """NSA output of each row's one new query, from the caches (module docstring).
@@ -150,18 +167,23 @@ def nsa_decode_attention(
     k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD: the cache after `append_token` of these tokens.
     position_B: int [B] each row's query position; slots after it are never read.
     block_size, block_count, window_size, scale: as `nsa_attention`.
-    implementation: "xla" (`reference.decode_attention`) or "pallas"
-      (`pallas_decode.decode_attention`); None: GPU_DEFAULT on a GPU, "xla" elsewhere.
+    group: int32 [] layer group to read when the four caches are stacked over the model's layer
+      groups ([G, B, ...] each); None: plain caches.
+    implementation: "xla" (`xla_decode.decode_attention`: reads the compressed cache, the
+      selected blocks and the window) or "pallas" (`pallas_decode.decode_attention`); None:
+      GPU_DEFAULT on a GPU, "xla" elsewhere. `reference.decode_attention` (dense) is the ground
+      truth of both.
 
   Returns:
     [B, Hq, Dv] in q's dtype: `nsa_attention`'s output at position_B[b] for the sequence in the
     cache (teacher forcing).
   """
   _check_arguments(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, position_B,
-                   block_size, block_count, window_size)
+                   block_size, block_count, window_size, group)
   version = resolve("nsa_decode_attention", implementation,
-                    {"xla": reference.decode_attention, "pallas": pallas_decode.decode_attention},
+                    {"xla": xla_decode.decode_attention, "pallas": pallas_decode.decode_attention},
                     gpu_default=GPU_DEFAULT)
-  return version(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, position_B,
+  stacked = [as_stacked(x, group) for x in (k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD)]
+  return version(q_BHD, gates_BH3, *(x for x, _ in stacked), position_B, stacked[0][1],
                  block_size=block_size, block_count=block_count, window_size=window_size,
                  scale=scale)

@@ -12,7 +12,9 @@ are the KV head's G query heads (each tile is read once for the group); split s 
 `decode_splits`-th tile of compressed keys, or selected block and window tile, so that a batch of
 32 rows still keeps every core busy. The splits' partial softmaxes are merged in XLA; the first
 kernel also writes each head's compressed scores, from which XLA forms the block importance
-(`reference.block_importance`, [B, Hq, N] numbers per step) for the top-n.
+(`reference.block_importance`, [B, Hq, N] numbers per step) for the top-n. The caches are stacked
+over layer groups ([G, B, ...]) and passed whole; the kernels read the group index from an int32
+[1] operand and index group g's rows themselves, so no slice of the cache is made for the call.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pallas_kernels.nsa.tiling import NSABlockSizes, Problem, check_supported
 from pallas_kernels.pallas_common import (
     cdiv, dot_nt, interpret_mode, merge_splits, softmax_start, softmax_step,
     triton_compiler_params)
+from pallas_kernels.stacked import group_operand
 
 # The row maximum written for a split that saw no key: finite, so that merging gives it weight 0
 # (exp2 of a very negative number) instead of NaN.
@@ -48,19 +51,26 @@ def _strided_loop(count, split, splits: int, body, carry):
   return lax.fori_loop(0, cdiv(jnp.maximum(count - split, 0), splits), body, carry)
 
 
-def _compressed_kernel(position_ref, q_ref, kc_ref, vc_ref, o_ref, max_ref, sum_ref, scores_ref,
-                       *, problem: Problem, splits: int, block_c: int):
+def _cache_rows(group_ref):
+  """The index of this program's (layer group, batch row, :, KV head) rows in a stacked cache."""
+  layer_group, row, kv_head = group_ref[0], pl.program_id(0), pl.program_id(1)
+  return lambda slots: (layer_group, row, slots, kv_head, slice(None))
+
+
+def _compressed_kernel(group_ref, position_ref, q_ref, kc_ref, vc_ref, o_ref, max_ref, sum_ref,
+                       scores_ref, *, problem: Problem, splits: int, block_c: int):
   complete = (position_ref[0] + 1) // problem.block_size  # blocks c < complete are visible
   split = pl.program_id(2)
+  rows = _cache_rows(group_ref)
   q = q_ref[...]
 
   def tile(i, carry):
     start = (split + i * splits) * block_c
     c_slice = pl.ds(start, block_c)
-    qk = dot_nt(q, kc_ref[c_slice, :])
+    qk = dot_nt(q, kc_ref[rows(c_slice)])
     visible = (start + jnp.arange(block_c, dtype=jnp.int32) < complete)[None, :]
     scores_ref[:, c_slice] = jnp.where(visible, qk * problem.score_scale, -jnp.inf)
-    return softmax_step(carry, qk, vc_ref[c_slice, :], visible, problem.score_scale,
+    return softmax_step(carry, qk, vc_ref[rows(c_slice)], visible, problem.score_scale,
                         problem.interpret)
 
   carry = _strided_loop(cdiv(complete, block_c), split, splits, tile,
@@ -68,17 +78,18 @@ def _compressed_kernel(position_ref, q_ref, kc_ref, vc_ref, o_ref, max_ref, sum_
   _write_partial(carry, o_ref, max_ref, sum_ref)
 
 
-def _selected_window_kernel(position_ref, idx_ref, count_ref, q_ref, k_ref, v_ref, o_slc_ref,
-                            max_slc_ref, sum_slc_ref, o_swa_ref, max_swa_ref, sum_swa_ref, *,
-                            problem: Problem, window_size: int, splits: int):
+def _selected_window_kernel(group_ref, position_ref, idx_ref, count_ref, q_ref, k_ref, v_ref,
+                            o_slc_ref, max_slc_ref, sum_slc_ref, o_swa_ref, max_swa_ref,
+                            sum_swa_ref, *, problem: Problem, window_size: int, splits: int):
   position = position_ref[0]
   split = pl.program_id(2)
   size = problem.block_size
+  rows = _cache_rows(group_ref)
   q = q_ref[...]
 
   def attend(carry, start, visible_C):
-    keys = pl.ds(start, size)
-    return softmax_step(carry, dot_nt(q, k_ref[keys, :]), v_ref[keys, :], visible_C[None, :],
+    keys = rows(pl.ds(start, size))
+    return softmax_step(carry, dot_nt(q, k_ref[keys]), v_ref[keys], visible_C[None, :],
                         problem.score_scale, problem.interpret)
 
   def selected(i, carry):
@@ -123,24 +134,24 @@ def _call(problem: Problem, blocks: NSABlockSizes, kernel, name: str, *, in_spec
       interpret=problem.interpret, name=name)
 
 
-def _compressed(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_BNKD, v_cmp_BNKD,
-                position_B):
+def _compressed(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD,
+                position_B, group_1):
   """(o_cmp [B, Hq, Dv] float32, block importance [B, 1, Hkv, N])."""
   batch, num_q_heads, head_dim = q_BHD.shape
-  group, num_blocks, value_dim = problem.group, k_cmp_BNKD.shape[1], v_cmp_BNKD.shape[-1]
+  group, num_blocks, value_dim = problem.group, k_cmp_GBNKD.shape[2], v_cmp_GBNKD.shape[-1]
   splits = blocks.decode_splits
-  keys = pl.BlockSpec((None, num_blocks, None, head_dim), lambda b, h, s: (b, 0, h, 0))
   specs, shapes = _partial_specs(problem, splits, batch, value_dim)
   *partials, scores_BHN = _call(
       problem, blocks,
       functools.partial(_compressed_kernel, problem=problem, splits=splits,
                         block_c=blocks.cmp_keys),
       "nsa_decode_compressed",
-      in_specs=[pl.BlockSpec((1,), lambda b, h, s: (b,)),
-                pl.BlockSpec((None, group, head_dim), lambda b, h, s: (b, h, 0)), keys, keys],
+      in_specs=[pl.no_block_spec, pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((None, group, head_dim), lambda b, h, s: (b, h, 0)),
+                pl.no_block_spec, pl.no_block_spec],
       out_specs=specs + [pl.BlockSpec((None, group, num_blocks), lambda b, h, s: (b, h, 0))],
       out_shape=shapes + [jax.ShapeDtypeStruct((batch, num_q_heads, num_blocks), jnp.float32)],
-  )(position_B, q_BHD, k_cmp_BNKD, v_cmp_BNKD)
+  )(group_1, position_B, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD)
   o_cmp_BHD, lse_BH = merge_splits(*partials, base2=True)
   # Blocks past the complete ones were not written (their scores are garbage): select them away.
   complete_B11 = ((position_B + 1) // problem.block_size)[:, None, None]
@@ -152,31 +163,30 @@ def _compressed(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_BNKD, v_cm
   return o_cmp_BHD, importance_B1KN
 
 
-def _selected_and_window(problem: Problem, blocks: NSABlockSizes, q_BHD, k_BSKD, v_BSKD,
-                         indices_BKS, counts_BK, position_B, window_size: int):
+def _selected_and_window(problem: Problem, blocks: NSABlockSizes, q_BHD, k_GBSKD, v_GBSKD,
+                         indices_BKS, counts_BK, position_B, group_1, window_size: int):
   """(o_slc, o_swa) [B, Hq, Dv] float32, merged over the splits."""
   batch, _, head_dim = q_BHD.shape
   num_kv_heads, splits = problem.num_kv_heads, blocks.decode_splits
-  keys = pl.BlockSpec((None, k_BSKD.shape[1], None, head_dim), lambda b, h, s: (b, 0, h, 0))
-  specs, shapes = _partial_specs(problem, splits, batch, v_BSKD.shape[-1])
+  specs, shapes = _partial_specs(problem, splits, batch, v_GBSKD.shape[-1])
   partials = _call(
       problem, blocks,
       functools.partial(_selected_window_kernel, problem=problem, window_size=window_size,
                         splits=splits),
       "nsa_decode_selected_window",
-      in_specs=[pl.BlockSpec((1,), lambda b, h, s: (b,)),
+      in_specs=[pl.no_block_spec, pl.BlockSpec((1,), lambda b, h, s: (b,)),
                 pl.BlockSpec((None, None, indices_BKS.shape[-1]), lambda b, h, s: (b, h, 0)),
                 pl.BlockSpec((1,), lambda b, h, s: (b * num_kv_heads + h,)),
                 pl.BlockSpec((None, problem.group, head_dim), lambda b, h, s: (b, h, 0)),
-                keys, keys],
+                pl.no_block_spec, pl.no_block_spec],
       out_specs=specs * 2, out_shape=shapes * 2,
-  )(position_B, indices_BKS, counts_BK.reshape(-1), q_BHD, k_BSKD, v_BSKD)
+  )(group_1, position_B, indices_BKS, counts_BK.reshape(-1), q_BHD, k_GBSKD, v_GBSKD)
   return (merge_splits(*partials[:3], base2=True)[0],
           merge_splits(*partials[3:], base2=True)[0])
 
 
-def decode_attention(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, position_B, *,
-                     block_size: int, block_count: int, window_size: int,
+def decode_attention(q_BHD, gates_BH3, k_GBSKD, v_GBSKD, k_cmp_GBNKD, v_cmp_GBNKD, position_B,
+                     group, *, block_size: int, block_count: int, window_size: int,
                      scale: float | None = None, block_sizes: NSABlockSizes = NSABlockSizes(),
                      interpret: bool | None = None):
   """Same contract as `reference.decode_attention`, for caches whose length is a multiple of
@@ -184,11 +194,11 @@ def decode_attention(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, p
   (`decode.compressed_blocks`)."""
   if interpret is None:
     interpret = interpret_mode()
-  check_supported(q_BHD.shape[:1] + (1,) + q_BHD.shape[1:], v_BSKD.shape, q_BHD.dtype,
+  check_supported(q_BHD.shape[:1] + (1,) + q_BHD.shape[1:], v_GBSKD.shape[1:], q_BHD.dtype,
                   block_size=block_size, blocks=block_sizes, interpret=interpret)
   batch, num_q_heads, head_dim = q_BHD.shape
-  cache_len, num_kv_heads = k_BSKD.shape[1], k_BSKD.shape[2]
-  num_blocks = k_cmp_BNKD.shape[1]
+  cache_len, num_kv_heads = k_GBSKD.shape[2], k_GBSKD.shape[3]
+  num_blocks = k_cmp_GBNKD.shape[2]
   if cache_len % block_size or num_blocks % block_sizes.cmp_keys:
     raise NotImplementedError(
         f"nsa_decode_attention[pallas]: cache length {cache_len} must be a multiple of"
@@ -202,11 +212,12 @@ def decode_attention(q_BHD, gates_BH3, k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD, p
       head_dim=head_dim, block_size=block_size, block_count=block_count, scale=float(scale),
       interpret=interpret)
   position_B = position_B.astype(jnp.int32)
-  o_cmp_BHD, importance_B1KN = _compressed(problem, block_sizes, q_BHD, k_cmp_BNKD, v_cmp_BNKD,
-                                           position_B)
+  group_1 = group_operand(group)
+  o_cmp_BHD, importance_B1KN = _compressed(problem, block_sizes, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD,
+                                           position_B, group_1)
   indices_B1KS, counts_B1K = selection.select_top_blocks(importance_B1KN, block_count)
   o_slc_BHD, o_swa_BHD = _selected_and_window(
-      problem, block_sizes, q_BHD, k_BSKD, v_BSKD, indices_B1KS[:, 0], counts_B1K[:, 0],
-      position_B, window_size)
+      problem, block_sizes, q_BHD, k_GBSKD, v_GBSKD, indices_B1KS[:, 0], counts_B1K[:, 0],
+      position_B, group_1, window_size)
   return reference.gated_sum(gates_BH3.astype(jnp.float32), o_cmp_BHD, o_slc_BHD,
                              o_swa_BHD).astype(q_BHD.dtype)

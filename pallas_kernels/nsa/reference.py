@@ -211,11 +211,12 @@ def gated_sum(gates_BTH3: jax.Array, o_cmp_BTHD: jax.Array, o_slc_BTHD: jax.Arra
 def decode_attention(
     q_BHD: jax.Array,
     gates_BH3: jax.Array,
-    k_BSKD: jax.Array,
-    v_BSKD: jax.Array,
-    k_cmp_BNKD: jax.Array,
-    v_cmp_BNKD: jax.Array,
+    k_GBSKD: jax.Array,
+    v_GBSKD: jax.Array,
+    k_cmp_GBNKD: jax.Array,
+    v_cmp_GBNKD: jax.Array,
     position_B: jax.Array,
+    group: jax.Array,
     *,
     block_size: int,
     block_count: int,
@@ -227,8 +228,11 @@ def decode_attention(
   Row b's query sits at position t = position_B[b] and sees cache slots 0..t (its own key
   included); slots after t may hold anything finite. k_cmp/v_cmp [B, N, Hkv, D] hold the mean of
   every complete block of the cache (N >= S / block_size), so nothing is pooled again here; the
-  branches are the full sequence's at position t.
+  branches are the full sequence's at position t. The four caches are stacked over layer groups
+  ([G, B, ...]) and group `group` is read.
   """
+  k_BSKD, v_BSKD, k_cmp_BNKD, v_cmp_BNKD = (
+      x[group] for x in (k_GBSKD, v_GBSKD, k_cmp_GBNKD, v_cmp_GBNKD))
   if scale is None:
     scale = q_BHD.shape[-1] ** -0.5
   num_kv_heads = k_BSKD.shape[2]

@@ -10,6 +10,7 @@ from flax import nnx
 from lalte_jax import generate as gen
 from lalte_jax.config import AttentionConfig, get_model_config
 from lalte_jax.inference import eviction
+from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
 from lalte_jax.model import HybridLM
 
 ATTN = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8)
@@ -59,7 +60,12 @@ def run_policy(config, prompt_len, pads, steps, seed):
   rows = [(q[b, pads[b]:], k[b, pads[b]:], v[b, pads[b]:]) for b in range(batch)]
   for b in range(batch):
     yield b, rows[b], prompt_len - pads[b] - 1, kept_positions(cache, b), None
-  decode = jax.jit(eviction.eviction_decode)
+  # A decode step runs on a layer group's part of a stacked cache: here a stack of one.
+  @jax.jit
+  def decode(cache, *args):
+    out, view = eviction.eviction_decode(view_of_plain(cache), *args)
+    return out, plain_of_view(view)
+
   for i in range(prompt_len, prompt_len + steps):
     pos = jnp.asarray([i - p for p in pads], jnp.int32)
     out, cache = decode(cache, jnp.asarray(q[:, i:i + 1]), jnp.asarray(k[:, i:i + 1]),

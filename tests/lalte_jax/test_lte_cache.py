@@ -14,6 +14,7 @@ from flax import nnx
 
 from lalte_jax.config import get_model_config
 from lalte_jax.inference.caches import StepContext
+from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
 from lalte_jax.inference.lte_cache import LTECache, init_lte_cache, rescore_if_due
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.lte import LTEAttention
@@ -61,12 +62,18 @@ class Runner:
     self.lte = layer.config
     merge = lambda state: nnx.merge(graphdef, state)
     self._prefill = jax.jit(lambda s, x, m, c: merge(s).prefill(x, c, prompt_context(x, m)))
-    self._decode = jax.jit(lambda s, x, c: merge(s).decode(x, c, token_context(c)))
-    self._rescore = jax.jit(lambda s, c: rescore_if_due(c, self.lte, merge(s).router))
+    # Decoding runs on a layer group's part of a stacked cache: here a stack of one.
+    def decode(state, x_B1D, cache):
+      out_B1D, view = merge(state).decode(x_B1D, view_of_plain(cache), token_context(cache))
+      return out_B1D, plain_of_view(view)
+
+    self._decode = jax.jit(decode)
+    self._rescore = jax.jit(lambda s, c: plain_of_view(
+        rescore_if_due(view_of_plain(c), self.lte, merge(s).router)))
 
     def decode_many(state, x_BND, cache):
       def step(cache, x_BD):
-        out_B1D, cache = merge(state).decode(x_BD[:, None], cache, token_context(cache))
+        out_B1D, cache = decode(state, x_BD[:, None], cache)
         return cache, out_B1D[:, 0]
       cache, out_NBD = jax.lax.scan(step, cache, jnp.swapaxes(x_BND, 0, 1))
       return jnp.swapaxes(out_NBD, 0, 1), cache

@@ -1,6 +1,7 @@
-"""decode_attention: the reference against a per-query loop over the visible slots, and the
-Pallas split-K kernel (interpret mode on CPU, compiled on GPU) against the reference;
-decode_attention_weights against the same loop."""
+"""decode_attention: the dense reference and the blocked "xla" version against a per-query loop
+over the visible slots, and the Pallas split-K kernel (interpret mode on CPU, compiled on GPU)
+against "xla"; decode_attention_weights against the same loop; one layer group of a stacked
+cache read in place."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.decode_attention import (DecodeBlockSizes, decode_attention,
-                                             decode_attention_weights)
-from tests.kernel_testing import assert_close, float64
+                                             decode_attention_weights, reference)
+from tests.kernel_testing import GROUP, assert_close, float64, stacked_in_poison
 
 
 def _inputs(seed, *, batch=2, num_slots=45, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -56,26 +57,38 @@ def _poison_invisible(k, v, length, valid):
   return np.where(hidden_BNK, np.nan, k), np.where(hidden_BNK, np.nan, v)
 
 
+@pytest.mark.parametrize("version", ["reference", "xla"])
 @pytest.mark.parametrize("per_head_mask", [False, True])
-def test_reference_matches_brute_force(per_head_mask):
+def test_reference_and_xla_match_brute_force(per_head_mask, version):
+  """The dense reference, and the "xla" version that reads the slots in blocks (45 slots: blocks
+  of 32, the last one shifted back to overlap the first)."""
   q, k, v, length, valid = _inputs(0, per_head_mask=per_head_mask)
   with float64():
-    out = decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3,
-                           length_BK=jnp.asarray(length), key_valid=jnp.asarray(valid),
-                           implementation="xla")
-    np.testing.assert_allclose(np.asarray(out), _brute_force(q, k, v, length, valid, 0.3),
-                               rtol=1e-10, atol=1e-10)
+    q, k, v, length, valid = (jnp.asarray(x) for x in (q, k, v, length, valid))
+    if version == "reference":
+      out = reference.decode_attention(q, k[None], v[None], jnp.int32(0), scale=0.3,
+                                       length_BK=length, key_valid=valid)
+    else:
+      out = decode_attention(q, k, v, scale=0.3, length_BK=length, key_valid=valid,
+                             implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), _brute_force(*(np.asarray(x) for x in (
+        q, k, v, length, valid)), 0.3), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("version", ["reference", "xla"])
 @pytest.mark.parametrize("per_head_mask", [False, True])
-def test_weights_are_the_softmax_over_the_visible_slots(per_head_mask):
+def test_weights_are_the_softmax_over_the_visible_slots(per_head_mask, version):
   q, k, _, length, valid = _inputs(1, per_head_mask=per_head_mask)
   group = q.shape[1] // k.shape[2]
   visible = _visible(length, valid, k.shape[1])
   with float64():
-    weights = np.asarray(decode_attention_weights(
-        jnp.asarray(q), jnp.asarray(k), scale=0.3, length_BK=jnp.asarray(length),
-        key_valid=jnp.asarray(valid)))
+    args = (jnp.asarray(q), jnp.asarray(k))
+    masks = dict(scale=0.3, length_BK=jnp.asarray(length), key_valid=jnp.asarray(valid))
+    if version == "reference":
+      weights = reference.decode_attention_weights(args[0], args[1][None], jnp.int32(0), **masks)
+    else:
+      weights = decode_attention_weights(*args, **masks)
+    weights = np.asarray(weights)
   assert weights.shape == (q.shape[0], q.shape[1], k.shape[1])
   for b in range(q.shape[0]):
     for h in range(q.shape[1]):
@@ -140,6 +153,24 @@ def test_pallas_without_lengths_or_mask_reads_every_slot():
   assert_close(out, expected, jnp.float32)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_a_layer_group_of_a_stacked_cache_is_read_in_place(implementation):
+  """`group=`: the group's slots of a cache stacked over layer groups (the others NaN) give the
+  plain cache's output, and the weights too."""
+  q, k, v, length, valid = (jnp.asarray(x) for x in _inputs(5, num_slots=45))
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  sizes = DecodeBlockSizes(block_slots=16, num_splits=2)
+  expected = decode_attention(q, k, v, length_BK=length, key_valid=valid, implementation="xla")
+  out = decode_attention(q, stacked_in_poison(k), stacked_in_poison(v), length_BK=length,
+                         key_valid=valid, group=jnp.int32(GROUP), implementation=implementation,
+                         block_sizes=sizes)
+  assert_close(out, expected, jnp.float32)
+  weights = decode_attention_weights(q, stacked_in_poison(k), length_BK=length, key_valid=valid,
+                                     group=jnp.int32(GROUP))
+  assert_close(weights, decode_attention_weights(q, k, length_BK=length, key_valid=valid),
+               jnp.float32)
+
+
 def test_arguments_are_checked():
   q, k, v, length, valid = (jnp.asarray(x) for x in _inputs(4))
   with pytest.raises(ValueError, match="length_BK"):
@@ -150,6 +181,10 @@ def test_arguments_are_checked():
     decode_attention(q[:, :3], k, v)
   with pytest.raises(NotImplementedError, match="power of two"):
     decode_attention(q[..., :12], k[..., :12], v[..., :12], implementation="pallas")
+  with pytest.raises(ValueError, match="stacked over the layer groups"):
+    decode_attention(q, k, v, group=jnp.int32(0))
+  with pytest.raises(ValueError, match="group must be an integer scalar"):
+    decode_attention(q, k[None], v[None], group=jnp.zeros((2,), jnp.int32))
   with pytest.raises(ValueError, match="block_slots"):
     DecodeBlockSizes(block_slots=24)
   with pytest.raises(ValueError, match="kv_heads_per_program"):

@@ -20,7 +20,8 @@ from pallas_kernels.gated_delta_rule import (
 )
 from pallas_kernels.gated_delta_rule import reference
 from pallas_kernels.gated_delta_rule.reference import naive_recurrent_gated_delta_rule
-from tests.kernel_testing import assert_close, float64, relative_error, tolerance
+from tests.kernel_testing import (GROUP, assert_close, assert_other_groups_untouched, float64,
+                                  relative_error, stacked_in_poison, tolerance)
 
 ARG_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -238,6 +239,26 @@ def test_fused_recurrent_decoding_equals_chunked_prefill():
                use_qk_l2norm=True, implementation="xla")
   expected = run_reference(inputs, with_state=True, use_qk_l2norm=True)
   compare(actual, expected, jnp.float32, "fused_recurrent T=20")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_fused_recurrent_steps_one_layer_group_of_a_stacked_state(implementation):
+  """`group=`: the group's state of a stack (the others NaN) steps as a plain state does (three
+  tokens at once), and the other groups are left as they were."""
+  inputs = round_to(make_inputs(17, seq_len=3, key_dim=16, value_dim=32, normalized_keys=False),
+                    jnp.float32)
+  args = {n: jnp.asarray(inputs[n], jnp.float32) for n in ARG_NAMES}
+  step = lambda state, **kw: fused_recurrent_gated_delta_rule(
+      *[args[n] for n in ARG_NAMES[:5]], initial_state=state, output_final_state=True,
+      use_qk_l2norm=True, implementation=implementation, **kw)
+  o_plain, state_plain = step(args["initial_state"])
+  o, stacked = step(stacked_in_poison(args["initial_state"]), group=jnp.int32(GROUP))
+  assert_close(o, o_plain, jnp.float32, name="o")
+  assert_close(stacked[GROUP], state_plain, jnp.float32, name="state")
+  assert_other_groups_untouched(stacked)
+  with pytest.raises(ValueError, match="output_final_state=True"):
+    fused_recurrent_gated_delta_rule(*[args[n] for n in ARG_NAMES[:5]], initial_state=stacked,
+                                     group=jnp.int32(GROUP))
 
 
 def test_chunk_single_token():

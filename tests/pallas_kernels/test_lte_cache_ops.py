@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
+from tests.kernel_testing import GROUP, assert_other_groups_untouched, stacked_in_poison
 
 WINDOW, CAP = 5, 6
 
@@ -76,6 +77,21 @@ def test_pallas_evict_matches_reference_bit_for_bit(dtype):
       assert a.dtype == e.dtype and a.shape == e.shape, name
       np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64),
                                     err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_evict_moves_only_the_rows_of_its_layer_group(implementation):
+  """`group=`: on caches stacked over layer groups (the others NaN / -1), the group's part ends as
+  the plain step leaves a plain cache, and nothing else changes."""
+  args = _cache(30)
+  ptr = jnp.int32(2)
+  expected = _evict_brute_force(*args[:4], 2, *args[4:])
+  got = evict_and_insert(*(stacked_in_poison(x) for x in args[:4]), ptr, *args[4:],
+                         window_keys=WINDOW, group=jnp.int32(GROUP),
+                         implementation=implementation)
+  for actual, want in zip(got, expected):
+    np.testing.assert_array_equal(np.asarray(actual)[GROUP], want)
+    assert_other_groups_untouched(actual)
 
 
 def test_compaction_reference_matches_brute_force():
@@ -163,6 +179,7 @@ def test_lte_decode_with_pallas_kernels_matches_xla():
   # Imported here: the kernels' own tests do not depend on the model package.
   from lalte_jax.config import get_model_config
   from lalte_jax.inference.caches import StepContext
+  from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
   from lalte_jax.inference.lte_cache import init_lte_cache
   from lalte_jax.mixers.lte import LTEAttention
 
@@ -187,9 +204,9 @@ def test_lte_decode_with_pallas_kernels_matches_xla():
       # The LTE layer reads its position from its cache (§5.5); the context gives the pads.
       token_context = prompt_context.replace(valid_BT=jnp.ones((x.shape[0], 1), bool))
 
-      def step(cache, x_BD):
-        out_B1D, cache = layer.decode(x_BD[:, None], cache, token_context)
-        return cache, out_B1D[:, 0]
+      def step(cache, x_BD):  # on the cache as a stack of one layer group
+        out_B1D, view = layer.decode(x_BD[:, None], view_of_plain(cache), token_context)
+        return plain_of_view(view), out_B1D[:, 0]
       return jax.lax.scan(step, cache, jnp.swapaxes(x[:, prompt_len:], 0, 1))
     return go(state, x)
 

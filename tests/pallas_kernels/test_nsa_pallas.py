@@ -24,7 +24,8 @@ from pallas_kernels.nsa import (
     nsa_attention, nsa_decode_attention, pallas, pallas_compressed, pallas_decode, reference,
     selection)
 from pallas_kernels.nsa.tiling import make_problem
-from tests.kernel_testing import assert_close
+from tests.kernel_testing import (GROUP, assert_close, assert_other_groups_untouched,
+                                  stacked_in_poison)
 
 BLOCKS = NSABlockSizes(cmp_keys=16, cmp_bwd_keys=16, cmp_bwd_queries_per_program=16,
                        slc_queries_per_program=8, decode_splits=2)
@@ -201,33 +202,40 @@ def _decode_inputs(seed, prompt_lengths, steps, max_length, block_size=BLOCK_SIZ
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas", "reference"])
 def test_decode_equals_full_forward(implementation):
   """Teacher forcing: the prompt pooled by compress_prompt, then one append_token and one decode
   step per token; every step equals the full forward at that position. Rows decode from their
-  own positions and cross block boundaries (32, 48) at different steps."""
+  own positions and cross block boundaries (32, 48) at different steps. The caches are one layer
+  group of a stack whose other groups hold NaN (`group=`): they are never read or written."""
   block_count = 4
   inputs, position, (k_cache, v_cache) = _decode_inputs(6, (30, 41), 10, max_length=64)
   full = reference.nsa_attention(
       *(jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "gates")),
       block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
   num_blocks = compressed_blocks(64, BLOCK_SIZE, BLOCKS)
-  k_cmp, v_cmp = compress_prompt(k_cache, v_cache, position, block_size=BLOCK_SIZE,
-                                 num_blocks=num_blocks)
+  caches = [stacked_in_poison(x) for x in (k_cache, v_cache) + compress_prompt(
+      k_cache, v_cache, position, block_size=BLOCK_SIZE, num_blocks=num_blocks)]
+  group = jnp.int32(GROUP)
   sizes = dict(block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
   if implementation == "pallas":
     step = jax.jit(functools.partial(pallas_decode.decode_attention, block_sizes=BLOCKS,
                                      interpret=True, **sizes))
+  elif implementation == "reference":
+    step = functools.partial(reference.decode_attention, **sizes)
   else:
-    step = functools.partial(nsa_decode_attention, implementation="xla", **sizes)
+    step = lambda *args: nsa_decode_attention(*args[:-1], group=args[-1], implementation="xla",
+                                              **sizes)
   rows = jnp.arange(2)
   at = lambda name: jnp.asarray(inputs[name], jnp.float32)[rows, position]
   for _ in range(10):
-    k_cache, v_cache, k_cmp, v_cmp = append_token(k_cache, v_cache, k_cmp, v_cmp, at("k"),
-                                                  at("v"), position, block_size=BLOCK_SIZE)
-    out = step(at("q"), at("gates"), k_cache, v_cache, k_cmp, v_cmp, position)
+    caches = append_token(*caches, at("k"), at("v"), position, block_size=BLOCK_SIZE,
+                          group=group)
+    out = step(at("q"), at("gates"), *caches, position, group)
     assert_close(out, full[rows, position], jnp.float32, name=f"position {position}")
     position = position + 1
+  for cache in caches:
+    assert_other_groups_untouched(cache)
 
 
 def test_compressed_cache_holds_the_complete_blocks_means():
@@ -251,9 +259,10 @@ def test_kernels_lower_to_triton():
   train = functools.partial(pallas.nsa_attention, interpret=False, **PAPER)
   grads = jax.grad(lambda *a: train(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
   decode = functools.partial(pallas_decode.decode_attention, interpret=False, **PAPER)
-  decode_args = (shape((4, 32, 64), bf16), shape((4, 32, 3), bf16), shape((4, 1024, 2, 64), bf16),
-                 shape((4, 1024, 2, 64), bf16), shape((4, 64, 2, 64), bf16),
-                 shape((4, 64, 2, 64), bf16), shape((4,), jnp.int32))
+  decode_args = (shape((4, 32, 64), bf16), shape((4, 32, 3), bf16),
+                 shape((12, 4, 1024, 2, 64), bf16), shape((12, 4, 1024, 2, 64), bf16),
+                 shape((12, 4, 64, 2, 64), bf16), shape((12, 4, 64, 2, 64), bf16),
+                 shape((4,), jnp.int32), shape((), jnp.int32))
   for fn, args, kernels in (
       (grads, (q, k, k, gates), {"nsa_compressed_fwd", "nsa_compressed_dq", "nsa_compressed_dkdv",
                                  "nsa_selected_fwd", "nsa_selected_dq", "nsa_selected_dkdv",
