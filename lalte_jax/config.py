@@ -121,10 +121,10 @@ class LTEConfig:
     _require(self.window > self.router_margin, "lte.window",
              f"{self.window} is not larger than the router's half receptive field"
              f" {self.router_margin}: scores of out-of-window keys would read future tokens")
-    # The decoder rescores the ring lazily every window+1-2*margin steps (§5.4).
+    # The decoder scores a token over its +-margin context once all of it is in the ring (§5.4).
     _require(self.window + 1 > 2 * self.router_margin, "lte.window",
              f"window+1={self.window + 1} must exceed twice the router margin"
-             f" ({2 * self.router_margin}) for exact lazy rescoring at decode time")
+             f" ({2 * self.router_margin}): the ring must hold a token's whole router context")
 
   @property
   def router_receptive_field(self) -> int:

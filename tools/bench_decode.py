@@ -15,8 +15,7 @@ random numbers; no step's cost depends on them.
 
 Reports the median wall time of `--steps` decode steps (one token for each of the B rows, the whole
 model incl. the LM head) after `--warmup` steps, the batch's tokens/s, and the cache bytes per
-sequence. laLTE also gets the time of a step that runs the lazy rescoring of its ring (§5.4), which
-happens once every W - 2 * margin = 757 steps and is excluded from the median. Prints a markdown
+sequence (every laLTE step does the same work: it scores one settled token, §5.4). Prints a markdown
 table and the command line; an out-of-memory context prints "OOM" and the run continues.
 `--json PATH` also writes the rows. `--profile` traces `--profile_steps` more steps per row and
 breaks their GPU time down by op class (Pallas kernels, matmuls, XLA fusions, copies such as a
@@ -96,16 +95,6 @@ def synthetic_cache(model, batch: int, context: int, extra: int):
   return cache.replace(layers=layers, position=jnp.asarray(context, jnp.int32))
 
 
-def lte_rescoring_due(cache, config):
-  """The cache with every LTE layer's ring pointer at the lazy-rescoring trigger."""
-  lte = config.lte
-  trigger = lte.window_keys - 2 * lte.router_margin
-  kinds = config.layer_pattern[:config.pattern_period]
-  layers = tuple(layer.replace(ptr=jnp.full_like(layer.ptr, trigger)) if kind == "lte" else layer
-                 for kind, layer in zip(kinds, cache.layers))
-  return cache.replace(layers=layers)
-
-
 def timed_steps(step, token_B, cache, count: int):
   times = []
   for _ in range(count):
@@ -125,17 +114,11 @@ def bench_one(model, batch: int, context: int, steps: int, warmup: int,
   token_B = jnp.asarray(np.arange(batch) % config.vocab_size, jnp.int32)
   _, cache = timed_steps(step, token_B, cache, warmup)
   times, cache = timed_steps(step, token_B, cache, steps)
-  result = {"ms": 1e3 * statistics.median(times), "bytes": per_sequence, "rescore_ms": None}
+  result = {"ms": 1e3 * statistics.median(times), "bytes": per_sequence}
   if profile_steps:  # the same step traced, after one more warm-up step (profile_step's)
     hlo_text = step.lower(token_B, cache).compile().as_text()
     result["profile"], cache = step_profile.profile_step(
         lambda carried: step(token_B, carried)[1], cache, hlo_text, steps=profile_steps)
-  if "lte" in config.layer_pattern:
-    rescores = []
-    for _ in range(3):
-      more, cache = timed_steps(step, token_B, lte_rescoring_due(cache, config), 1)
-      rescores.extend(more)
-    result["rescore_ms"] = 1e3 * statistics.median(rescores)
   del cache
   return result
 
@@ -194,16 +177,14 @@ def main(argv: list[str] | None = None) -> None:
         f" steps after {args.warmup} warm-up.")
   print(f"Command: python tools/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"
         "\n")
-  print("| model | context | decode ms / step | tokens/s (batch) | cache MiB / sequence |"
-        " LTE rescoring step ms |")
-  print("|---|---:|---:|---:|---:|---:|")
+  print("| model | context | decode ms / step | tokens/s (batch) | cache MiB / sequence |")
+  print("|---|---:|---:|---:|---:|")
   for name, context, result in rows:
     if result is None:
-      print(f"| {name} | {context} | OOM | | | |")
+      print(f"| {name} | {context} | OOM | | |")
       continue
-    rescore = "" if result["rescore_ms"] is None else f"{result['rescore_ms']:.2f}"
     print(f"| {name} | {context} | {result['ms']:.2f} | {args.batch / result['ms'] * 1e3:.0f} |"
-          f" {result['bytes'] / 2**20:.2f} | {rescore} |")
+          f" {result['bytes'] / 2**20:.2f} |")
   for name, context, result in rows:
     if result is not None and "profile" in result:
       print("\n" + step_profile.markdown(

@@ -16,26 +16,28 @@ Prefill (§5.2) scores the whole prompt, keeps the top-b positive-scored tokens 
 window, and runs every prompt query against its window plus that final kept set. A decode step
 (§5.3) evicts the ring's oldest token into the OOW set (appending while there is room, else
 replacing the OOW minimum if the leaving score is larger), writes the new token into its slot, and
-attends over the valid slots. Router scores need `margin` tokens of right context, so ring scores
-are recomputed lazily (§5.4): when `ptr == W - 2 * margin` the ring is rotated into chronological
-order, keys are de-roped, and the router rescores slots [margin, W). Every token therefore leaves
-the window with exactly the score the router gives it over the full sequence.
+attends over the valid slots. Router scores need `margin` tokens of right context: the
+reference recomputes the ring's scores lazily (§5.4: every W - 2 * margin steps it rotates the
+ring, de-ropes the keys and rescores slots [margin, W)); here each decode step scores the one
+token that has just got its full context, t - margin, over ring tokens t - 2 margin .. t
+(`score_settled_token`). Both give every token the score the router gives it over the full
+sequence before it leaves the window, so the evictions are the same.
 
 Deliberate departures from the reference code (all fixes of its edge cases, G14), so that decoding
 reproduces the training-time layer for every prompt length:
 
 1. Sinks never lose their +inf. The reference overwrites a sink's +inf at the first lazy rescoring
-   when the prompt has <= 9 tokens; here rescoring keeps +inf scores. A sink decoded after the
+   when the prompt has <= 9 tokens; here scoring keeps +inf scores. A sink decoded after the
    prompt (prompts with fewer than `num_sinks` real tokens, or decoding from an empty cache) is
    marked +inf when inserted; the reference marks sinks only at prefill.
 2. De-roping uses the true positions of the ring slots, t - W + i for chronological slot i, even
    while blanks remain. The reference uses offset max(t - W, 0), which is wrong for prompts of
-   fewer than 2 * margin = 12 tokens (the first rescoring then runs while blanks remain).
+   fewer than 2 * margin = 12 tokens (its first rescoring then runs while blanks remain).
 3. Consequence of 1: a decode step writes a score for the token it inserts (the reference leaves
    the evicted token's stale score, G15): +inf for a sink, the router score when the router has no
    context (margin 0, §7.3: LTE-MLP, scored at insertion since the lazy trigger never fires), and
-   otherwise the provisional `PROVISIONAL_SCORE` (not kept), which the next rescoring replaces
-   before the slot can leave the window. So a ring score always belongs to the token in its slot,
+   otherwise the provisional `PROVISIONAL_SCORE` (not kept), which `score_settled_token`
+   replaces `margin` steps later, long before the slot can leave the window. So a ring score always belongs to the token in its slot,
    and +inf in the ring always means "sink".
 
 Shapes: B batch, T tokens, Hq query heads, K (= Hkv) KV heads, D head dim, S = W + b cache slots,
@@ -43,7 +45,7 @@ W ring slots. Everything is jittable with static shapes. This module holds the c
 operations: `fill_from_prompt` on a layer group's arrays, the decode-step operations on its part
 of the stacked cache (`GroupSlot` leaves, updated in place). The layer's prefill and decode step,
 which project, score and attend, are `LTEAttention.prefill` / `.decode`
-(`lalte_jax/mixers/lte.py`). Rescoring runs the layer's router, which it is given.
+(`lalte_jax/mixers/lte.py`). Scoring runs the layer's router, which it is given.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ from lalte_jax.config import LTEConfig
 from lalte_jax.layers.rope import derope
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 
-# Score given to a freshly decoded (non-sink) token until the next lazy rescoring: "not kept". It
-# is never read as a decision (§5.4 exactness: the slot is rescored before it leaves the window).
+# Score given to a freshly decoded (non-sink) token until it is scored `margin` steps later: "not
+# kept". It is never read as a decision (§5.4: the slot is scored before it leaves the window).
 PROVISIONAL_SCORE = 0.0
 
 
@@ -158,50 +160,38 @@ def fill_from_prompt(cache: LTECache, lte: LTEConfig, k_BTKD: jax.Array, v_BTKD:
   return new_cache, kept_BTK
 
 
-def _rescore_ring(cache: LTECache, lte: LTEConfig, router) -> LTECache:
-  """§5.4: rotate the ring to chronological order and rescore slots [margin, W)."""
-  window_keys, margin = lte.window_keys, lte.router_margin
-  batch = cache.k.shape[0]
-  ptr, position, blank_B = cache.ptr.read(), cache.position.read(), cache.blank.read()
+def score_settled_token(cache: LTECache, lte: LTEConfig, router) -> LTECache:
+  """§5.4, one token per step: after `insert_token` wrote token t, the token t - margin has all
+  the right context its router score needs; score it over ring tokens t - 2 margin .. t.
 
-  def chronological_ring(slot):  # slot ptr (the oldest token) moves to slot 0
-    return jnp.roll(slot.read(shape=(batch, window_keys)), -ptr, axis=1)
-
-  ring_k_BWKD, ring_v_BWKD = chronological_ring(cache.k), chronological_ring(cache.v)
-  ring_score_BWK = chronological_ring(cache.score)
-
-  # Chronological slot i holds position t - W + i (negative only for never-filled blanks): use
-  # these true positions even while blanks remain (G14 fix; the reference clamps at 0).
-  slot_W = jnp.arange(window_keys, dtype=jnp.int32)
-  positions_BW = jnp.broadcast_to(position - window_keys + slot_W, (batch, window_keys))
-  k_pre_BWKD = derope(ring_k_BWKD, positions_BW, lte.rope_theta)
-  real_BW = slot_W[None, :] >= blank_B[:, None]
-  fresh_BWK = router(k_pre_BWKD, ring_v_BWKD, mask_BT=real_BW)
-  fresh_BWK = jnp.where(real_BW[:, :, None], fresh_BWK, -jnp.inf)
-  # Slots [0, margin) lost their left context to eviction: they keep the score they got at an
-  # earlier rescoring (with full context). Sinks keep +inf (G14 fix).
-  keep_old_BWK = (slot_W < margin)[None, :, None] | (ring_score_BWK == jnp.inf)
-  ring_score_BWK = jnp.where(keep_old_BWK, ring_score_BWK, fresh_BWK)
-  return cache.replace(k=cache.k.write(ring_k_BWKD), v=cache.v.write(ring_v_BWKD),
-                       score=cache.score.write(ring_score_BWK),
-                       ptr=cache.ptr.write(jnp.zeros((), jnp.int32)))
-
-
-def rescore_if_due(cache: LTECache, lte: LTEConfig, router) -> LTECache:
-  """Lazy rescoring (§5.4) by `router` (the layer's `LTERouter`) when `ptr == W - 2 * margin`,
-  else the cache unchanged.
-
-  `cache` holds `GroupSlot` leaves (a layer group's part of the stacked decode cache, as
-  `LTEAttention.decode` gets it); only the ring's W slots are rewritten. `LTEAttention.decode`
-  calls it first; it is idempotent (after a rescoring ptr is 0 != W - 2 margin), so a caller may
-  apply it beforehand to read the score of the token about to leave the window, the score at ring
-  slot ptr, which is then final. No-op for a context-free router (margin 0).
+  The router's receptive field is +-margin tokens, so this is the score the router gives that
+  token over the whole sequence, the score the reference's lazy rescoring of the whole ring
+  (every W - 2 margin steps) gives it before it can leave the window: tokens leave the window
+  with the same scores. Doing it per token reads 2 margin + 1 ring slots a step and needs no
+  branch (a branch whose operand is the stacked cache made XLA change the whole cache's layout
+  twice a step on the GPU). Blank slots stay -inf and sinks +inf (G14). `cache` holds
+  `GroupSlot` leaves. No-op for a context-free router (margin 0: scored at insertion).
   """
   margin = lte.router_margin
   if margin == 0:
     return cache
-  due = cache.ptr.read() == lte.window_keys - 2 * margin
-  return jax.lax.cond(due, lambda c: _rescore_ring(c, lte, router), lambda c: c, cache)
+  window_keys, span = lte.window_keys, 2 * margin + 1
+  batch = cache.k.shape[0]
+  ptr, position, blank_B = cache.ptr.read(), cache.position.read(), cache.blank.read()
+  # Chronological index c (0 = oldest) is slot (ptr + c) % W and holds position
+  # position - W + c; the last `span` of them are t - 2 margin .. t.
+  chrono_S = jnp.arange(window_keys - span, window_keys, dtype=jnp.int32)
+  slot_S = (ptr + chrono_S) % window_keys
+  rows_B1 = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  positions_BS = jnp.broadcast_to(position - window_keys + chrono_S, (batch, span))
+  k_pre_BSKD = derope(cache.k.take((rows_B1, slot_S[None])), positions_BS, lte.rope_theta)
+  real_BS = chrono_S[None, :] >= blank_B[:, None]
+  fresh_BK = router(k_pre_BSKD, cache.v.take((rows_B1, slot_S[None])), mask_BT=real_BS)[:, margin]
+  settled = slot_S[margin]
+  old_BK = cache.score.take((slice(None), settled))
+  keep_old_BK = (old_BK == jnp.inf) | ~real_BS[:, margin, None]
+  return cache.replace(score=cache.score.write(
+      jnp.where(keep_old_BK, old_BK, fresh_BK)[:, None], start=(0, settled)))
 
 
 def insert_token(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,

@@ -11,8 +11,9 @@ included, G10).
 Decoding keeps the constant-memory LTE cache (§5; the cache and its array operations are in
 `lalte_jax.inference.lte_cache`, whose docstring describes it): `prefill` scores the prompt,
 fills the ring and the capped out-of-window set and runs every prompt query against its window
-plus that set; `decode` rescores the ring when due, evicts the oldest ring token into the set,
-inserts the new token and attends over the cache, in place in the stacked decode cache. Keys are
+plus that set; `decode` evicts the oldest ring token into the set, inserts the new token, gives
+the token `margin` steps back its final score and attends over the cache, in place in the stacked
+decode cache. Keys are
 roped at padded-tensor indices (§5.5).
 """
 
@@ -136,14 +137,15 @@ class LTEAttention(nnx.Module):
     q_B1HD = apply_rope(q_B1HD, positions_B1, lte.rope_theta)
     k_B1KD = apply_rope(k_pre_B1KD, positions_B1, lte.rope_theta)
 
-    cache = lte_cache.rescore_if_due(cache, lte, self.router)
     if lte.router_margin == 0:
-      # A context-free router's score is final at once; no lazy trigger would ever fire (§7.3).
+      # A context-free router's score is final at once (§7.3: LTE-MLP).
       new_score_B1K = self.router(k_pre_B1KD, v_B1KD)
     else:
       new_score_B1K = jnp.full((batch, 1, lte.num_kv_heads), lte_cache.PROVISIONAL_SCORE,
                                jnp.float32)
     cache = lte_cache.insert_token(cache, lte, k_B1KD, v_B1KD, new_score_B1K)
+    # Token t - margin now has its right context: its final score (§5.4).
+    cache = lte_cache.score_settled_token(cache, lte, self.router)
 
     # The new token is in the ring now, so the window is keys t-w..t; everything cached is in the
     # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below

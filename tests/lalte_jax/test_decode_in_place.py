@@ -234,7 +234,7 @@ def teacher_forced_logits(model, tokens_BT, prompt_len: int) -> np.ndarray:
 def test_pallas_decode_steps_give_the_xla_logits(variant):
   """Interpret mode: the GDN recurrent step, decode attention (SWA ring, LTE cache), the LTE
   evict/insert step and NSA decoding on layer group 1 of 2; 30 steps pass the SWA window (48
-  with the 30-token prompt), LTE evictions and rescorings, and NSA blocks."""
+  with the 30-token prompt), LTE evictions and decode-time scoring, and NSA blocks."""
   config = get_model_config(f"{variant}-tiny").replace(init_std=0.2)
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 60)).astype(np.int32)
   logits = {name: teacher_forced_logits(

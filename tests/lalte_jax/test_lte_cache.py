@@ -15,7 +15,7 @@ from flax import nnx
 from lalte_jax.config import get_model_config
 from lalte_jax.inference.caches import StepContext
 from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
-from lalte_jax.inference.lte_cache import LTECache, init_lte_cache, rescore_if_due
+from lalte_jax.inference.lte_cache import LTECache, init_lte_cache
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.lte import LTEAttention
 
@@ -55,7 +55,7 @@ def token_context(cache):
 
 
 class Runner:
-  """Jitted prefill / decode / rescoring bound to one layer (split once, merged inside jit)."""
+  """Jitted prefill / decode bound to one layer (split once, merged inside jit)."""
 
   def __init__(self, layer):
     graphdef, self.state = nnx.split(layer)
@@ -68,8 +68,6 @@ class Runner:
       return out_B1D, plain_of_view(view)
 
     self._decode = jax.jit(decode)
-    self._rescore = jax.jit(lambda s, c: plain_of_view(
-        rescore_if_due(view_of_plain(c), self.lte, merge(s).router)))
 
     def decode_many(state, x_BND, cache):
       def step(cache, x_BD):
@@ -84,9 +82,6 @@ class Runner:
 
   def decode(self, x, cache):
     return self._decode(self.state, x, cache)
-
-  def rescore(self, cache):
-    return self._rescore(self.state, cache)
 
   def decode_many(self, x, cache):
     return self._decode_many(self.state, x, cache)
@@ -111,8 +106,8 @@ def assert_close(actual, expected, rtol=1e-4):
 # 1. Teacher forcing below the cap: prefill + decode reproduce the training-time layer.
 
 @pytest.mark.parametrize("name,prefix", [
-    ("lalte-tiny", 40),  # OOW selection at prefill, then several lazy rescorings
-    ("lalte-tiny", 7),  # G14: sinks still in the ring at the first rescoring (<= 9 tokens)
+    ("lalte-tiny", 40),  # OOW selection at prefill, then tokens scored while decoding
+    ("lalte-tiny", 7),  # G14: sinks still in the ring when scored at decode time (<= 9 tokens)
     ("lalte-tiny", 2),  # sinks 2 and 3 are decoded, not prefilled
     ("lalte-tiny", 0),  # decoding from an empty cache
     ("lte_mlp-tiny", 40),  # margin 0: scored at insertion (§7.3)
@@ -262,10 +257,10 @@ def test_kept_set_beyond_the_cap_matches_brute_force_simulation(prefix):
       assert_close(out[:, 0], attention_over_sets(layer, x, visible(history[step], t), t))
 
 
-# 3. Lazy rescoring is exact: every token leaves the window with its full-context score.
+# 3. Scoring is exact: every token leaves the window with its full-context score.
 
-# Prompts of 3 tokens (with 0-2 of them padding) hit both G14 edge cases: sinks in the rescored
-# part of the ring, and a first rescoring while blanks remain.
+# Prompts of 3 tokens (with 0-2 of them padding) hit both G14 edge cases: sinks among the tokens
+# scored at decode time, and scoring while blanks remain.
 @pytest.mark.parametrize("prefix,pads", [(40, (0, 5, 20)), (3, (0, 1, 2))])
 def test_every_token_leaves_the_window_with_its_full_context_score(prefix, pads):
   config = tiny_config()
@@ -288,16 +283,11 @@ def test_every_token_leaves_the_window_with_its_full_context_score(prefix, pads)
   runner = Runner(layer)
   cache = init_lte_cache(lte, batch, jnp.float32)
   _, cache = runner.prefill(x[:, :prefix], jnp.asarray(real[:, :prefix]), cache)
-  rescorings = 0
   for t in range(prefix, length):
-    before = int(cache.ptr)
-    cache = runner.rescore(cache)  # what LTEAttention.decode does first; idempotent
-    rescorings += int(cache.ptr) != before
     leaving = np.asarray(cache.score[:, int(cache.ptr)])  # [B, K]
     expected = full_score[:, t - W] if t >= W else np.full_like(leaving, -np.inf)
     np.testing.assert_allclose(leaving, expected, rtol=1e-5, atol=1e-6, err_msg=f"t={t}")
     _, cache = runner.decode(x[:, t:t + 1], cache)
-  assert rescorings >= 5
   # Sinks never lost their +inf (G14): they are all in the OOW set now.
   oow_score = np.asarray(cache.score[:, W:])
   assert np.all(np.sum(oow_score == np.inf, axis=1) == lte.num_sinks)

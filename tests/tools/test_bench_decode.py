@@ -14,7 +14,7 @@ def test_tiny_preset_profiled_and_written(tmp_path, capsys):
               "--warmup", "1", "--profile", "--profile_steps", "2", "--json", str(output)])
   (row,) = json.loads(output.read_text())
   assert row["preset"] == "lalte-tiny" and row["context"] == 64 and row["status"] == "ok"
-  assert row["ms"] > 0 and row["rescore_ms"] > 0 and row["bytes"] > 0
+  assert row["ms"] > 0 and row["bytes"] > 0
   profile = row["profile"]  # the decode step's XLA thunks on the CPU, by class
   assert profile["source"] == "CPU thunks" and profile["steps"] == 2
   assert profile["mapped_share"] == 1.0
