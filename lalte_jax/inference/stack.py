@@ -34,8 +34,16 @@ def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: 
     return (h_BTD, tuple(new_caches)), None
 
   num_groups = jax.tree.leaves(stacked_state)[0].shape[0]
+  # A decode step is bound by reading the weights. On a GPU the group loop is unrolled: each
+  # group's weights are then a constant slice that the matmul fusions read in place, where the
+  # rolled loop copies every group's weights out of the stacked parameters each step (one H100,
+  # lalte-1.4b B32 after 4K: 180 copies, 2.0 ms; step 7.03 -> 5.87 ms unrolled, no cache copied).
+  # XLA:CPU copies LTE cache leaves when the loop is unrolled, so it keeps the rolled loop; so
+  # does a prefill (bound by compute, and rolled it compiles once per group instead of G times).
+  unroll = num_groups if mode == "decode" and jax.default_backend() == "gpu" else 1
   (h_BTD, caches), _ = jax.lax.scan(
-      one_group, (h_BTD, caches), (jnp.arange(num_groups, dtype=jnp.int32), stacked_state))
+      one_group, (h_BTD, caches), (jnp.arange(num_groups, dtype=jnp.int32), stacked_state),
+      unroll=unroll)
   return h_BTD, caches
 
 
