@@ -99,8 +99,8 @@ class LTERouter(nnx.Module):
     for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,
                                            lte.router_dilations, layer_keys):
       h_KBTC = dropout_heads_first(h_KBTC, lte.router_dropout, key)
-      h_KBTC = (grouped_conv_same(h_KBTC, weight[...].astype(dtype), dilation)
-                + bias[...][:, None, None, :]).astype(dtype)
+      h_KBTC = (grouped_conv_same(h_KBTC, weight[...].astype(dtype), dilation).astype(dtype)
+                + bias[...].astype(dtype)[:, None, None, :])
       if mask_1BT1 is not None:
         h_KBTC = h_KBTC * mask_1BT1
       h_KBTC = jax.nn.silu(h_KBTC)
