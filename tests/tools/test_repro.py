@@ -200,6 +200,9 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   assert (config.lr, config.seed, config.steps) == (3e-3, 44, capacity.STEPS)
   assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps == capacity.STEPS // 2
   assert capacity.study_config(capacity.RunSpec("lalte", 1e-3, 0)).lte_routing_freeze_steps == 0
+  control = capacity.RunSpec("lalte_warmup", 1e-3, 0, pairs=capacity.CONTROL_KV_PAIRS,
+                             steps=capacity.CONTROL_STEPS)
+  assert capacity.study_config(control).lte_routing_freeze_steps == capacity.CONTROL_STEPS // 2
   bounds = {m: capacity.study_config(capacity.RunSpec(m, 1e-3, 0)).lte_lambda_max
             for m in capacity.ALL_MODELS}
   assert bounds.pop("lalte_bounded") == capacity.BOUNDED_LAMBDA_MAX < 1.0
