@@ -44,6 +44,7 @@ from lalte_jax.inference.param_dtype import (PARAM_DTYPE_HELP, PARAM_DTYPES,
 from lalte_jax.model import HybridLM
 
 import step_profile  # tools/step_profile.py
+from bench_train import is_out_of_memory  # tools/bench_train.py
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn_attn-1.4b")
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -127,11 +128,6 @@ def build_model(name: str, dtype: str, param_dtype: str) -> HybridLM:
   config = get_model_config(name).replace(dtype=dtype)
   model = nnx.jit(lambda: HybridLM(config, rngs=nnx.Rngs(0)))()  # parameters made on the device
   return cast_params_for_inference(model, param_dtype)
-
-
-def is_out_of_memory(error: Exception) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
 def main(argv: list[str] | None = None) -> None:

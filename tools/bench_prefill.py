@@ -80,7 +80,8 @@ from lalte_jax.inference.param_dtype import PARAM_DTYPES
 from lalte_jax.model import count_parameters
 from pallas_kernels.benchmarking import Timed, median_ms, paired_ms, run_for_seconds
 
-from bench_decode import build_model, is_out_of_memory  # tools/bench_decode.py
+from bench_decode import build_model  # tools/bench_decode.py
+from bench_train import is_out_of_memory  # tools/bench_train.py
 from compare_torch import FAMILY  # tools/compare_torch.py: model type -> "fla" | "authors"
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn-1.4b")
