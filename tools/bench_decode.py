@@ -110,7 +110,8 @@ def bench_one(model, batch: int, context: int, steps: int, warmup: int,
               profile_steps: int = 0) -> dict:
   config = model.config
   step = gen.decode_step_fn(model)
-  cache = synthetic_cache(model, batch, context, extra=warmup + steps + profile_steps + 9)
+  # Room for every step this row runs (the profile's adds one warm-up step).
+  cache = synthetic_cache(model, batch, context, extra=warmup + steps + profile_steps + 1)
   per_sequence = cache_bytes(cache) / batch
   token_B = jnp.asarray(np.arange(batch) % config.vocab_size, jnp.int32)
   _, cache = timed_steps(step, token_B, cache, warmup)
