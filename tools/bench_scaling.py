@@ -9,8 +9,11 @@ runs) against one process over N GPUs, through the trainer's own command line.
 
 Every case is `python -m lalte_jax.train` on synthetic MQAR data (the preset's vocabulary, made
 on the fly), `--batch-per-gpu` sequences of `--seq-len` tokens per GPU (global batch = that x N),
-one metrics record per step, no evaluation, checkpoint or export (`save_checkpoints=false`), a
-mesh of data=1 x fsdp=N (parameters, AdamW moments and batch split over all N GPUs). Per preset
+one metrics record per step, no evaluation, checkpoint or export (`save_checkpoints=false`), on
+the mesh of `--mesh`: `data` (data=N x fsdp=1, the trainer's default: parameters and AdamW moments
+replicated, the batch split, one all-reduce of the gradients per step) or `fsdp` (data=1 x fsdp=N:
+parameters, moments and batch split over all N GPUs; all-gathers of each layer's weights in the
+forward and backward passes, reduce-scatters of its gradients). Per preset
 and GPU count N (those of `--gpus` up to the visible GPUs; every preset's 1-GPU run first, then
 every preset at the largest N, then the next smaller N, so that a short budget keeps the ends):
 - "multi": N processes on localhost, process i on GPU i alone (CUDA_VISIBLE_DEVICES), joined by
@@ -35,12 +38,18 @@ reads the state onto the new mesh, the data position is global: lalte_jax/train/
 The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype is
 `--reshard-dtype` (float32 by default, so that the tolerance measures the restore, not rounding).
 
+`--deterministic` adds XLA's `--xla_gpu_deterministic_ops=true` to every child (deterministic
+scatters, autotuning off, so that both modes pick the same kernels): the setting of the exact
+multi = single comparison on GPUs, where the autotuner may pick a different GEMM algorithm in each
+process and a scatter-add sums in a varying order. The step-time breakdown (compute against
+collectives) is `tools/bench_train.py --profile` on the same GPUs (`collective_exposed_ms`: the
+time a collective runs with no other kernel beside it).
+
 Budget: with `--budget-s`, a case starts only when the longest case of its preset so far (of any
 preset before the first one finishes) fits in what is left, and every case is stopped at the
 budget (status "timeout"); `--case-timeout-s` bounds each. Children run in their own process
 groups, killed on any exit of this tool (SIGTERM and SIGINT included). The JSON (`--json`) is
 rewritten after every case; a markdown table goes to stdout. Logs: <--out>/<case>/process<i>.log.
-Not done here: a profile of compute against collectives.
 Exit status: 0 when every case ran (or was out of memory or skipped for the budget), else 1.
 """
 
@@ -98,6 +107,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--warmup", type=int, default=3,
                       help="first steps left out of the timing (the first one compiles)")
   parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+  parser.add_argument("--mesh", default="data", choices=("data", "fsdp"),
+                      help="split the batch only (data) or also the parameters and moments (fsdp)")
+  parser.add_argument("--deterministic", action="store_true",
+                      help="XLA's deterministic GPU ops in every child (module doc)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                       help="more trainer settings for every case (repeatable)")
@@ -190,7 +203,11 @@ def _raise_exit(signum, frame):
   raise SystemExit(128 + signum)  # unwinds through `finally`, which kills the children
 
 
-def child_env(platform: str, devices: list[str], timeout_s: float) -> dict[str, str]:
+DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",)
+
+
+def child_env(platform: str, devices: list[str], timeout_s: float, *,
+              deterministic: bool = False) -> dict[str, str]:
   """The environment of one trainer process on `devices` (GPU ids, or CPU devices counted)."""
   env = {name: value for name, value in os.environ.items() if name not in distributed.ENV_PROCESS_SETTINGS}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
@@ -203,7 +220,16 @@ def child_env(platform: str, devices: list[str], timeout_s: float) -> dict[str, 
         replace=True)
   else:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+  if deterministic:
+    env["XLA_FLAGS"] = xla_flags.with_flags(env.get("XLA_FLAGS", ""), *DETERMINISTIC_FLAGS,
+                                            replace=True)
   return env
+
+
+def mesh_settings(mesh: str, gpus: int) -> list[str]:
+  """The trainer's mesh axes for `--mesh` over `gpus` devices."""
+  return ([f"mesh_data={gpus}", "mesh_fsdp=1"] if mesh == "data" else
+          ["mesh_data=1", f"mesh_fsdp={gpus}"])
 
 
 def trainer_settings(args: argparse.Namespace, preset: str, *, gpus: int, global_batch: int,
@@ -213,7 +239,7 @@ def trainer_settings(args: argparse.Namespace, preset: str, *, gpus: int, global
   return [f"variant={variant}", f"size={size}", f"model_dtype={args.dtype}",
           f"remat={args.remat}", "data=mqar", f"seq_len={seq_len}",
           f"global_batch_size={global_batch}", "grad_accum_steps=1", f"steps={steps}",
-          "warmup_steps=1", "lr=3e-4", "mesh_data=1", f"mesh_fsdp={gpus}", "mesh_tensor=1",
+          "warmup_steps=1", "lr=3e-4", *mesh_settings(args.mesh, gpus), "mesh_tensor=1",
           "log_every=1", "eval_every=0", "eval_batches=0", "tensorboard=false",
           "progress_bar=false", "save_checkpoints=false",
           f"peak_tflops_per_device={args.peak_tflops}", f"output_dir={run_dir}",
@@ -237,7 +263,7 @@ def run_trainer(groups: ProcessGroups, args: argparse.Namespace, run_dir: pathli
               ["--coordinator_address", f"localhost:{port}", "--num_processes", str(processes),
                "--process_id", str(index)])
     env = child_env(args.platform, devices[index * per_process:(index + 1) * per_process],
-                    timeout_s)
+                    timeout_s, deterministic=args.deterministic)
     with open(run_dir / f"process{index}.log", "w", encoding="utf-8") as log:
       procs.append(groups.start(command + joined, env=env, cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT))
@@ -413,7 +439,8 @@ def run_case(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
              devices: list[str], preset: str, mode: str, gpus: int) -> dict:
   case = {"preset": preset, "mode": mode, "gpus": gpus, "batch_per_gpu": args.batch_per_gpu,
           "seq_len": args.seq_len, "global_batch": args.batch_per_gpu * gpus,
-          "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype, "remat": args.remat}
+          "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype, "remat": args.remat,
+          "mesh": args.mesh, "deterministic": args.deterministic}
   timeout_s = budget.timeout_s(preset)
   if timeout_s is None:
     return {**case, "status": "skipped", "error": f"{budget.left_s():.0f} s left, a case of"
@@ -430,6 +457,13 @@ def run_case(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   return case
 
 
+def _link_or_copy(source: str, destination: str) -> None:
+  try:
+    os.link(source, destination)
+  except OSError:
+    shutil.copy2(source, destination)
+
+
 def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
                 devices: list[str]) -> dict:
   """The resume check of `--reshard` (module doc)."""
@@ -437,7 +471,7 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   seq_len = args.reshard_seq_len or args.seq_len
   global_batch = args.batch_per_gpu * args.reshard_from
   result = {"preset": preset, "checkpoint_step": k, "steps_after": m, "seq_len": seq_len,
-            "dtype": args.reshard_dtype,
+            "dtype": args.reshard_dtype, "mesh": args.mesh, "deterministic": args.deterministic,
             "global_batch": global_batch, "from_processes": args.reshard_from,
             "tolerance": args.reshard_tolerance, "runs": []}
   out = pathlib.Path(args.out) / f"reshard_{preset}"
@@ -470,8 +504,11 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   for processes in args.reshard_to:
     run_dir = out / f"resumed_on_{processes}"
     # Only step K: the resumed run starts from the newest checkpoint it finds.
-    shutil.copytree(source, run_dir / "checkpoints", ignore=lambda folder, names: [
-        name for name in names if folder == str(source) and name.isdigit() and int(name) != k])
+    # Hard links where the file system allows (a 1.4B float32 state is ~17 GB; the resumed run
+    # only reads it).
+    shutil.copytree(source, run_dir / "checkpoints", copy_function=_link_or_copy,
+                    ignore=lambda folder, names: [name for name in names if folder == str(source)
+                                                  and name.isdigit() and int(name) != k])
     resumed = run(run_dir.name, processes)
     if resumed is None:
       continue

@@ -25,7 +25,8 @@ custom_call_target, op_name metadata), first rule that applies:
 
 Per step: the wall time, the GPU busy time (the union of the kernels' intervals), the idle time
 (wall - busy: host dispatch and launch gaps), the GPU span (first kernel start to last kernel
-end) and, per class, the time, its share of the summed kernel time and its top kernels. The
+end), the exposed collective time (busy time in which only collectives ran: what overlapping them
+with compute could still save) and, per class, the time, its share of the summed kernel time and its top kernels. The
 profiler adds its own cost to every launch and makes XLA launch kernels one by one instead of as
 CUDA graphs (unless --xla_enable_command_buffers_during_profiling), so compare the wall with the
 untraced step time: the difference is the tracing's. With several devices, the first device's
@@ -208,6 +209,7 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
   steps_of_module = any(e.hlo_module == hlo.name for e in events)
   classes: dict[str, dict[str, list[float]]] = {}  # class -> kernel -> [launches, ns]
   counted, mapped_ns, unmapped, op_names = [], 0.0, {}, {}
+  not_collective = []  # the kernels that a collective can overlap with
   for event in events:
     op = _instruction(hlo, event)
     if source == CPU_SOURCE and op is not None and op.opcode in CONTAINER_OPCODES:
@@ -226,6 +228,8 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
     if op is not None and op.op_name:
       op_names.setdefault(event.name, op.op_name[:OP_NAME_CHARS])
     counted.append(event)
+    if name != "collective":
+      not_collective.append(event)
   kernel_ns = sum(e.duration_ns for e in counted)
   if not kernel_ns:
     raise RuntimeError(f"no {source} event of the step's program {hlo.name!r} took any time")
@@ -240,10 +244,12 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
                           "op_name": op_names.get(kernel, "")}
                          for kernel, (n, ns) in ranked[:TOP_KERNELS]]})
   rows.sort(key=lambda row: row["ms"], reverse=True)
-  busy_ms, wall_ms = per_step_ms(_union_ns(counted)), 1e3 * wall_s / steps
+  busy_ns = _union_ns(counted)
+  busy_ms, wall_ms = per_step_ms(busy_ns), 1e3 * wall_s / steps
   span_ns = (max(e.start_ns + e.duration_ns for e in counted) - min(e.start_ns for e in counted))
   return {"source": source, "module": hlo.name, "steps": steps, "wall_ms": wall_ms,
           "busy_ms": busy_ms, "idle_ms": wall_ms - busy_ms, "span_ms": per_step_ms(span_ns),
+          "collective_exposed_ms": per_step_ms(busy_ns - _union_ns(not_collective)),
           "kernel_ms": per_step_ms(kernel_ns), "mapped_share": mapped_ns / kernel_ns,
           "unmapped_sample": list(unmapped.values()), "classes": rows}
 
@@ -292,7 +298,8 @@ def markdown(result: dict, title: str) -> str:
       f"#### {title}", "",
       f"{result['source']} of {result['device']}, {result['steps']} traced steps: wall {result['wall_ms']:.2f} ms/step,"
       f" busy {result['busy_ms']:.2f} ms ({result['busy_ms'] / result['wall_ms']:.0%}), idle"
-      f" (host gaps) {result['idle_ms']:.2f} ms, span {result['span_ms']:.2f} ms, kernel sum"
+      f" (host gaps) {result['idle_ms']:.2f} ms, span {result['span_ms']:.2f} ms, collectives"
+      f" alone {result.get('collective_exposed_ms', 0.0):.2f} ms, kernel sum"
       f" {result['kernel_ms']:.2f} ms; {result['mapped_share']:.0%} of the kernel time mapped to"
       f" an HLO instruction of {result['module']}.", "",
       "| class | ms / step | % of kernel time | launches / step |"

@@ -171,6 +171,7 @@ def test_breakdown_per_step_times_shares_top_kernels_and_host_gaps(step_profile)
   assert result["busy_ms"] == pytest.approx(0.0645)  # the union: 5 us of overlap counted once
   assert result["idle_ms"] == pytest.approx(0.1 - 0.0645)
   assert result["span_ms"] == pytest.approx(0.092)  # 0 .. 184 us
+  assert result["collective_exposed_ms"] == pytest.approx(0.0025)  # 70 .. 75 us ran alone
   assert result["mapped_share"] == pytest.approx(130 / 134)  # all but the other program's
   rows = {row["class"]: row for row in result["classes"]}
   assert [row["class"] for row in result["classes"]] == [
