@@ -32,8 +32,9 @@ both see the same global batch).
 
 `--reshard PRESET`: resuming onto fewer processes. PRESET trains K+M steps (`--reshard-steps K,M`)
 as `--reshard-from` processes, with a checkpoint at step K; that checkpoint is copied into a new
-run, which resumes it as each count of `--reshard-to` processes (one GPU each) and trains steps
-K+1..K+M; their losses must equal the uninterrupted run's within `--reshard-tolerance` (Orbax
+run, which resumes it as each count of `--reshard-to` processes (one GPU each, so a smaller mesh;
+with `--reshard-same-gpus` all `--reshard-from` GPUs split over those processes, so the same mesh
+in another process layout) and trains steps K+1..K+M; their losses must equal the uninterrupted run's within `--reshard-tolerance` (Orbax
 reads the state onto the new mesh, the data position is global: lalte_jax/train/checkpointing.py).
 The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype is
 `--reshard-dtype` (float32 by default, so that the tolerance measures the restore, not rounding).
@@ -131,6 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--reshard-from", type=int, default=4, help="processes of the first run")
   parser.add_argument("--reshard-to", type=_int_list, default=[2, 1],
                       help="process counts that resume the checkpoint")
+  parser.add_argument("--reshard-same-gpus", action="store_true",
+                      help="resume on all --reshard-from GPUs split over fewer processes (the same"
+                           " mesh, another process layout) instead of one GPU per process")
   parser.add_argument("--reshard-seq-len", type=int, default=0, help="0 = --seq-len")
   parser.add_argument("--reshard-tolerance", type=float, default=1e-5)
   parser.add_argument("--reshard-dtype", default="float32", choices=("bfloat16", "float32"),
@@ -478,19 +482,20 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   shutil.rmtree(out, ignore_errors=True)
 
   def run(name: str, processes: int) -> dict | None:
+    gpus = args.reshard_from if args.reshard_same_gpus else processes
     timeout_s = budget.timeout_s(f"reshard {preset}")
     if timeout_s is None:
       result["runs"].append({"name": name, "status": "skipped"})
       return None
     run_dir = out / name
-    settings = trainer_settings(args, preset, gpus=processes, global_batch=global_batch,
+    settings = trainer_settings(args, preset, gpus=gpus, global_batch=global_batch,
                                 seq_len=seq_len, steps=k + m, run_dir=run_dir)
     settings += ["save_checkpoints=true", f"checkpoint_every={k}", "checkpoint_keep=10",
                  f"model_dtype={args.reshard_dtype}"]
     outcome = run_trainer(groups, args, run_dir, settings, processes=processes,
-                          devices=devices[:processes], timeout_s=timeout_s)
+                          devices=devices[:gpus], timeout_s=timeout_s)
     budget.record(f"reshard {preset}", outcome["wall_s"])
-    outcome.update(name=name, processes=processes,
+    outcome.update(name=name, processes=processes, gpus=gpus,
                    losses={r["step"]: r["loss"] for r in read_records(run_dir)})
     result["runs"].append(outcome)
     return outcome if outcome["status"] == "ok" else None

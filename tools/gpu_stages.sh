@@ -25,7 +25,7 @@
 #   gdn        GDN against FLA at shapes 0 and 1 of tools/compare_fla.py (~6-9 min)
 #   gdn23      GDN against FLA at shapes 3 and 2 (~6-9 min)
 #   study      the capacity study, resumable across runs (tools/study_gpu.sh, ~9 min)
-#   multigpu   several GPUs of one host: FSDP scaling of the training step over 1, 2, 4 GPUs as N
+#   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
 # Run from anywhere; the stage runs in the repository root.
@@ -167,10 +167,11 @@ case "$stage" in
     bash tools/study_gpu.sh "$dest"
     ;;
   multigpu)
-    # The trainer over 1, 2 and 4 GPUs (N processes and one process, 4 sequences of 4096 per GPU,
-    # lalte-0.4b, gdn_swa-0.4b, lalte-1.4b as far as SCALING_S seconds reach; the tool skips what
-    # cannot finish and writes its JSON after every case), a 0.4b checkpoint of 4 processes
-    # resumed on 2 and 1, then the Pallas kernels inside shard_map (lalte_jax/sharding.py).
+    # The trainer over 1, 2 and 4 GPUs on the data mesh (N processes and one process, 4 sequences
+    # of 4096 per GPU, lalte-0.4b, gdn_swa-0.4b, lalte-1.4b as far as SCALING_S seconds reach; the
+    # tool skips what cannot finish and writes its JSON after every case), a bf16 lalte-1.4b FSDP
+    # checkpoint of 4 processes resumed by 2 and by 1 process on the same GPUs (float32 steps
+    # take minutes to compile), then the Pallas kernels inside shard_map (lalte_jax/sharding.py).
     scaling_s=${SCALING_S:-480}
     if ((budget_s > 0)); then
       left=$((budget_s - ($(date +%s) - start) - 30))
@@ -178,7 +179,10 @@ case "$stage" in
       ((scaling_s < 1)) && scaling_s=1
     fi
     step $((scaling_s + 30)) python3 tools/bench_scaling.py --budget-s "$scaling_s" \
-      --reshard lalte-0.4b --reshard-seq-len 1024 --out "$dest/runs" --json "$dest/scaling.json"
+      --out "$dest/runs" --json "$dest/scaling.json"
+    step 330 python3 tools/bench_scaling.py --presets "" --mesh fsdp --batch-per-gpu 1 \
+      --reshard lalte-1.4b --reshard-dtype bfloat16 --reshard-seq-len 1024 --reshard-steps 2,2 \
+      --reshard-same-gpus --case-timeout-s 140 --out "$dest/runs" --json "$dest/reshard.json"
     step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
     ;;
 esac

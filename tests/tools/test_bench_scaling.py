@@ -53,6 +53,37 @@ def test_two_processes_match_one_and_a_checkpoint_resumes_on_fewer(tmp_path, chi
       "metrics.jsonl", "process0.log", "process1.log", "summary.json"]
 
 
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_the_same_devices_in_fewer_processes(tmp_path, children):
+  output = tmp_path / "reshard.json"
+  done = children.run(
+      [sys.executable, str(SCRIPT), "--platform", "cpu", "--presets", "", "--seq-len", "32",
+       "--batch-per-gpu", "1", "--out", str(tmp_path / "runs"), "--json", str(output),
+       "--reshard", "gdn-tiny", "--reshard-steps", "2,2", "--reshard-from", "2",
+       "--reshard-to", "1", "--reshard-same-gpus", "--mesh", "fsdp"],
+      cwd=REPO, env=child_env(**DISTRIBUTED_ENV), timeout=900)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  reshard = json.loads(output.read_text())["reshard"]
+  assert reshard["status"] == "ok" and reshard["loss_max_abs_diff"] <= 1e-5, reshard
+  reference, resumed = reshard["runs"]
+  assert (reference["processes"], reference["gpus"]) == (2, 2)
+  assert (resumed["processes"], resumed["gpus"]) == (1, 2)  # both devices, one process
+  assert sorted(resumed["losses"]) == ["3", "4"]
+  assert "2 devices on 1 process(es)" in (tmp_path / "runs" / "reshard_gdn-tiny" /
+                                           "resumed_on_1" / "process0.log").read_text()
+
+
+def test_mesh_and_determinism_reach_the_children():
+  bench = load_tool("bench_scaling")
+  assert bench.mesh_settings("data", 4) == ["mesh_data=4", "mesh_fsdp=1"]
+  assert bench.mesh_settings("fsdp", 4) == ["mesh_data=1", "mesh_fsdp=4"]
+  env = bench.child_env("gpu", ["0", "1"], 60, deterministic=True)
+  assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+  assert "--xla_gpu_deterministic_ops=true" in env["XLA_FLAGS"].split()
+  assert "--xla_gpu_deterministic_ops" not in bench.child_env("gpu", ["0"], 60).get(
+      "XLA_FLAGS", "")
+
+
 def test_plan_skips_missing_gpus_and_always_has_the_baseline():
   bench = load_tool("bench_scaling")
   args = bench.parse_args(["--presets", "a-tiny,b-tiny", "--gpus", "1,2,4", "--modes", "multi"])
