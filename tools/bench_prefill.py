@@ -23,15 +23,10 @@ calls after `--warmup` more), and every other row in alternation with the baseli
 over its own from the same rounds, i.e. its tokens/s over the baseline's. The baseline is
 `--baseline`, by default the first gdn_swa preset of --presets; without one, rows are timed alone.
 
-`--fla` adds a row "FLA <preset>" for every preset whose model FLA 0.6.0 has (gdn, gdn_swa,
-gdn_attn, transformer; laLTE, laNSA and NSA have none): the `fla.models` model of the config.json
-that `lalte_jax.convert` writes for the preset (its parameter count, next to ours, shows that the
-configs match; attention layers are FLA's `attn` layers, window 1024 for gdn_swa), with FLA's
-random init in `--dtype`, run eagerly as `model(input_ids, use_cache=True, logits_to_keep=1)` under
-torch.no_grad (the cache filled, the last position's logits, as ours) and synced with
-torch.cuda.synchronize. flash-attn is absent: FLA's attention layer runs FLA's own Triton
-`parallel_attn` through the stand-in of tools/torch_reference.py (`setup(exact=False)`: TF32,
-cuDNN and autotuning left as FLA ships them). FLA autotunes its Triton kernels on the first call
+`--fla` adds a row "FLA <preset>" for every preset whose model FLA 0.6.0 has (tools/fla_models.py:
+the same config, FLA's random init in `--dtype`, attention on FLA's `parallel_attn`), run eagerly
+as `model(input_ids, use_cache=True, logits_to_keep=1)` under torch.no_grad (the cache filled, the
+last position's logits, as ours) and synced with torch.cuda.synchronize. FLA autotunes its Triton kernels on the first call
 of each shape, for minutes: that first call is the row's warm-up, before anything is timed. With
 `--fla`, JAX allocates GPU memory on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) so that PyTorch
 has room in the same process.
@@ -52,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -75,19 +69,17 @@ import numpy as np
 
 from lalte_jax import generate as gen
 from lalte_jax.config import get_model_config
-from lalte_jax.convert import hf_config
 from lalte_jax.inference.param_dtype import PARAM_DTYPES
 from lalte_jax.model import count_parameters
 from pallas_kernels.benchmarking import Timed, median_ms, paired_ms, run_for_seconds
 
 from bench_decode import build_model  # tools/bench_decode.py
 from bench_train import is_out_of_memory  # tools/bench_train.py
-from compare_torch import FAMILY  # tools/compare_torch.py: model type -> "fla" | "authors"
+from fla_models import fla_model, has_fla_model, load_fla  # tools/fla_models.py
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn-1.4b")
 DEFAULT_LENGTHS = (4096, 32768)
 DTYPES = ("bfloat16", "float32")
-FLA_PACKAGES = ("torch", "transformers", "fla")
 
 
 def random_prompts(batch: int, length: int, vocab_size: int) -> np.ndarray:
@@ -100,18 +92,6 @@ def ours_prefill(model, batch: int, length: int) -> Timed:
   tokens_BT = random_prompts(batch, length, model.config.vocab_size)
   empty_cache = jax.jit(lambda: gen.init_cache(model, batch, max_length=length))
   return Timed(lambda: gen.prefill(model, tokens_BT, empty_cache())[0], [()])
-
-
-def fla_model(torch, preset: str, dtype: str):
-  """FLA's model of `preset` (the config.json our converter writes for it), on the GPU."""
-  # pylint: disable-next=import-outside-toplevel
-  from transformers import AutoConfig, AutoModelForCausalLM
-  hf = hf_config.hf_config_from_model(get_model_config(preset), torch_dtype=dtype)
-  config = AutoConfig.for_model(hf["model_type"],
-                                **{key: value for key, value in hf.items() if key != "model_type"})
-  with torch.device("cuda"):  # parameters made on the GPU
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-  return model.to("cuda").eval()
 
 
 def fla_prefill(torch, model, batch: int, length: int) -> Timed:
@@ -151,30 +131,10 @@ def make_cases(args, torch) -> list[Case]:
            for name in args.presets]
   if torch is not None:
     cases += [Case(f"FLA {name}", name, "FLA",
-                   build=lambda name=name: fla_model(torch, name, args.dtype),
+                   build=lambda name=name: fla_model(torch, name, args.dtype).eval(),
                    prefill=lambda model, batch, length: fla_prefill(torch, model, batch, length))
               for name in args.presets if has_fla_model(name)]
   return cases
-
-
-def has_fla_model(preset: str) -> bool:
-  model_type = hf_config.model_type_of(get_model_config(preset))
-  return FAMILY[model_type] == "fla"
-
-
-def load_fla(parser: argparse.ArgumentParser):
-  """torch with FLA imported (tools/torch_reference.py's setup, exact=False); a parser error
-  naming what is missing on a machine without them or without a CUDA GPU."""
-  missing = [name for name in FLA_PACKAGES if importlib.util.find_spec(name) is None]
-  if missing:
-    parser.error("--fla needs PyTorch, transformers 5 and FLA 0.6.0 (flash-linear-attention and"
-                 f" fla-core); not importable here: {', '.join(missing)}")
-  import torch_reference  # pylint: disable=import-outside-toplevel  # tools/torch_reference.py
-  torch = torch_reference.setup("fla", parallel_attn=True, exact=False)
-  if not torch.cuda.is_available():
-    parser.error("--fla needs a CUDA GPU (FLA's kernels are Triton GPU kernels);"
-                 " torch.cuda.is_available() is False")
-  return torch
 
 
 def failed(row: dict, error: Exception, torch) -> None:

@@ -91,14 +91,15 @@ def test_bad_arguments_name_the_flag(argv, message, capsys):
 
 def test_fla_without_its_packages_says_what_is_missing(capsys):
   bench = load_tool("bench_prefill")
-  missing = [name for name in bench.FLA_PACKAGES if importlib.util.find_spec(name) is None]
+  missing = [name for name in load_tool("fla_models").FLA_PACKAGES
+             if importlib.util.find_spec(name) is None]
   if not missing:
     pytest.skip("PyTorch, transformers and FLA are installed here")
   with pytest.raises(SystemExit) as exit_info:
     bench.main(["--fla", "--presets", "gdn_swa-tiny", "--lengths", "32"])
   assert exit_info.value.code == 2
   error = capsys.readouterr().err
-  assert "--fla needs PyTorch, transformers 5 and FLA 0.6.0" in error
+  assert "FLA rows need PyTorch, transformers 5 and FLA 0.6.0" in error
   assert f"not importable here: {', '.join(missing)}" in error
 
 
