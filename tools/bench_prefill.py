@@ -26,8 +26,9 @@ over its own from the same rounds, i.e. its tokens/s over the baseline's. The ba
 `--fla` adds a row "FLA <preset>" for every preset whose model FLA 0.6.0 has (tools/fla_models.py:
 the same config, FLA's random init in `--dtype`, attention on FLA's `parallel_attn`), run eagerly
 as `model(input_ids, use_cache=True, logits_to_keep=1)` under torch.no_grad (the cache filled, the
-last position's logits, as ours) and synced with torch.cuda.synchronize. FLA autotunes its Triton kernels on the first call
-of each shape, for minutes: that first call is the row's warm-up, before anything is timed. With
+last position's logits, as ours) and synced with torch.cuda.synchronize. FLA autotunes its Triton
+kernels on the first call of each shape, for minutes: that first call is the row's warm-up,
+before anything is timed. With
 `--fla`, JAX allocates GPU memory on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) so that PyTorch
 has room in the same process.
 

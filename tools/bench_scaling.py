@@ -11,7 +11,7 @@ Every case is `python -m lalte_jax.train` on synthetic MQAR data (the preset's v
 on the fly), `--batch-per-gpu` sequences of `--seq-len` tokens per GPU (global batch = that x N),
 one metrics record per step, no evaluation, checkpoint or export (`save_checkpoints=false`), on
 the mesh of `--mesh`: `data` (data=N x fsdp=1, the trainer's default: parameters and AdamW moments
-replicated, the batch split, one all-reduce of the gradients per step) or `fsdp` (data=1 x fsdp=N:
+replicated, the batch split, the gradients all-reduced) or `fsdp` (data=1 x fsdp=N:
 parameters, moments and batch split over all N GPUs; all-gathers of each layer's weights in the
 forward and backward passes, reduce-scatters of its gradients). Per preset
 and GPU count N (those of `--gpus` up to the visible GPUs; every preset's 1-GPU run first, then
@@ -34,15 +34,16 @@ both see the same global batch).
 as `--reshard-from` processes, with a checkpoint at step K; that checkpoint is copied into a new
 run, which resumes it as each count of `--reshard-to` processes (one GPU each, so a smaller mesh;
 with `--reshard-same-gpus` all `--reshard-from` GPUs split over those processes, so the same mesh
-in another process layout) and trains steps K+1..K+M; their losses must equal the uninterrupted run's within `--reshard-tolerance` (Orbax
-reads the state onto the new mesh, the data position is global: lalte_jax/train/checkpointing.py).
+in another process layout) and trains steps K+1..K+M; their losses must equal the uninterrupted
+run's within `--reshard-tolerance` (Orbax reads the state onto the new mesh, the data position is
+global: lalte_jax/train/checkpointing.py).
 The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype is
 `--reshard-dtype` (float32 by default, so that the tolerance measures the restore, not rounding).
 
 `--deterministic` adds XLA's `--xla_gpu_deterministic_ops=true` to every child (deterministic
-scatters, autotuning off, so that both modes pick the same kernels): the setting of the exact
-multi = single comparison on GPUs, where the autotuner may pick a different GEMM algorithm in each
-process and a scatter-add sums in a varying order. The step-time breakdown (compute against
+scatters, autotuning off, so that both modes pick the same kernels), to rule out those sources of
+a multi != single difference on GPUs (on 4 H200s in bf16 it did not remove the difference:
+docs/benchmarks.md, section 6.1). The step-time breakdown (compute against
 collectives) is `tools/bench_train.py --profile` on the same GPUs (`collective_exposed_ms`: the
 time a collective runs with no other kernel beside it).
 

@@ -123,9 +123,10 @@ def train_mode(torch, preset: str, mode: str, args: argparse.Namespace) -> dict:
   parameters = sum(p.numel() for p in model.parameters())
   step_model = model
   if mode == "compile":
-    import torch._dynamo  # pylint: disable=import-outside-toplevel
-    torch._dynamo.config.cache_size_limit = DYNAMO_CACHE_SIZE_LIMIT  # pylint: disable=protected-access
-    torch._dynamo.config.accumulated_cache_size_limit = DYNAMO_CACHE_SIZE_LIMIT  # pylint: disable=protected-access
+    import torch._dynamo  # pylint: disable=import-outside-toplevel,protected-access
+    dynamo_config = torch._dynamo.config  # pylint: disable=protected-access
+    dynamo_config.cache_size_limit = DYNAMO_CACHE_SIZE_LIMIT
+    dynamo_config.accumulated_cache_size_limit = DYNAMO_CACHE_SIZE_LIMIT
     step_model = torch.compile(model)
   adamw = optimizer(torch, model)
   vocab_size = model.config.vocab_size
@@ -186,7 +187,8 @@ def markdown_table(rows: list[dict], comparisons: list[dict]) -> str:
     lines.append(
         f"| {r['preset']} | {r['mode']} | {r['status']} | {table_cell(r.get('parameters'), ',')} |"
         f" {r['seq_len']} | {r['batch']} | {table_cell(r.get('first_step_s'), '.1f')} |"
-        f" {table_cell(r.get('step_time_s'), '.3f')} | {table_cell(r.get('tokens_per_s'), ',.0f')} |"
+        f" {table_cell(r.get('step_time_s'), '.3f')} |"
+        f" {table_cell(r.get('tokens_per_s'), ',.0f')} |"
         f" {table_cell(r.get('mfu'), '.1%')} | {table_cell(r.get('peak_memory_gib'), '.1f')} |")
   if comparisons:
     lines += ["", "| preset | ours tokens/s | ours peak GiB | best FLA (mode) tokens/s |"

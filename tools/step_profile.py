@@ -26,11 +26,11 @@ custom_call_target, op_name metadata), first rule that applies:
 Per step: the wall time, the GPU busy time (the union of the kernels' intervals), the idle time
 (wall - busy: host dispatch and launch gaps), the GPU span (first kernel start to last kernel
 end), the exposed collective time (busy time in which only collectives ran: what overlapping them
-with compute could still save) and, per class, the time, its share of the summed kernel time and its top kernels. The
-profiler adds its own cost to every launch and makes XLA launch kernels one by one instead of as
-CUDA graphs (unless --xla_enable_command_buffers_during_profiling), so compare the wall with the
-untraced step time: the difference is the tracing's. With several devices, the first device's
-kernels are counted (each runs the same SPMD step).
+with compute could still save) and, per class, the time, its share of the summed kernel time and
+its top kernels. The profiler adds its own cost to every launch and makes XLA launch kernels
+one by one instead of as CUDA graphs (unless --xla_enable_command_buffers_during_profiling), so
+compare the wall with the untraced step time: the difference is the tracing's. With several
+devices, the first device's kernels are counted (each runs the same SPMD step).
 
 On the CPU the XLA thunks of the host threads stand in for the kernels (same classification).
 """
