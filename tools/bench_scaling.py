@@ -64,7 +64,6 @@ import pathlib
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 
@@ -78,12 +77,12 @@ from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
 
 xla_flags.apply_workarounds()  # children inherit the environment
 
-from bench_train import is_out_of_memory, table_cell  # pylint: disable=wrong-import-position
+from bench_train import table_cell  # pylint: disable=wrong-import-position
+from trainer_runs import (  # pylint: disable=wrong-import-position  # tools/trainer_runs.py
+    ProcessGroups, mesh_settings, read_records, run_trainer, visible_gpus)
 
-from lalte_jax.train import distributed  # pylint: disable=wrong-import-position
 
 DEFAULT_PRESETS = "lalte-0.4b,gdn_swa-0.4b,lalte-1.4b"
-LOG_TAIL_CHARS = 2000
 
 
 def _int_list(text: str) -> list[int]:
@@ -163,78 +162,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return args
 
 
-def visible_gpus(platform: str, wanted: int) -> list[str]:
-  """Device ids a case may use: CUDA_VISIBLE_DEVICES's, else `nvidia-smi -L`'s; on the CPU
-  platform `wanted` emulated ones."""
-  if platform == "cpu":
-    return [str(index) for index in range(wanted)]
-  listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-  if listed:
-    return [item.strip() for item in listed.split(",") if item.strip()]
-  try:
-    done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60,
-                          check=True)
-  except (OSError, subprocess.SubprocessError) as error:
-    raise SystemExit(f"bench_scaling: cannot list GPUs with nvidia-smi ({error}); set"
-                     " CUDA_VISIBLE_DEVICES or use --platform cpu") from None
-  return [str(index) for index, line in enumerate(done.stdout.splitlines())
-          if line.startswith("GPU ")]
-
-
-class ProcessGroups:
-  """Children in their own process groups (each with what it starts); `close()` SIGKILLs every
-  group still alive, also when its leader has exited."""
-
-  def __init__(self):
-    self.processes: list[subprocess.Popen] = []
-
-  def start(self, command: list[str], **popen_kwargs) -> subprocess.Popen:
-    process = subprocess.Popen(command, start_new_session=True, **popen_kwargs)
-    self.processes.append(process)
-    return process
-
-  def close(self) -> None:
-    for process in self.processes:
-      try:
-        os.killpg(process.pid, signal.SIGKILL)
-      except ProcessLookupError:  # the whole group has exited
-        pass
-      process.wait()
-    self.processes.clear()
-
-
 def _raise_exit(signum, frame):
   del frame
   raise SystemExit(128 + signum)  # unwinds through `finally`, which kills the children
-
-
-DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",)
-
-
-def child_env(platform: str, devices: list[str], timeout_s: float, *,
-              deterministic: bool = False) -> dict[str, str]:
-  """The environment of one trainer process on `devices` (GPU ids, or CPU devices counted)."""
-  env = {name: value for name, value in os.environ.items() if name not in distributed.ENV_PROCESS_SETTINGS}
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
-  # Every process joins, and compiles a step, within this of the others.
-  env["LALTE_INIT_TIMEOUT_S"] = str(max(60, int(timeout_s)))
-  if platform == "cpu":
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = xla_flags.with_flags(
-        env.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={len(devices)}",
-        replace=True)
-  else:
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-  if deterministic:
-    env["XLA_FLAGS"] = xla_flags.with_flags(env.get("XLA_FLAGS", ""), *DETERMINISTIC_FLAGS,
-                                            replace=True)
-  return env
-
-
-def mesh_settings(mesh: str, gpus: int) -> list[str]:
-  """The trainer's mesh axes for `--mesh` over `gpus` devices."""
-  return ([f"mesh_data={gpus}", "mesh_fsdp=1"] if mesh == "data" else
-          ["mesh_data=1", f"mesh_fsdp={gpus}"])
 
 
 def trainer_settings(args: argparse.Namespace, preset: str, *, gpus: int, global_batch: int,
@@ -249,70 +179,6 @@ def trainer_settings(args: argparse.Namespace, preset: str, *, gpus: int, global
           "progress_bar=false", "save_checkpoints=false",
           f"peak_tflops_per_device={args.peak_tflops}", f"output_dir={run_dir}",
           *args.settings]
-
-
-def run_trainer(groups: ProcessGroups, args: argparse.Namespace, run_dir: pathlib.Path,
-                settings: list[str], *, processes: int, devices: list[str],
-                timeout_s: float) -> dict:
-  """Runs the trainer as `processes` processes sharing `devices` equally; waits for all (a
-  failed one ends the others). {"status", "wall_s", "command", ["error"]}."""
-  run_dir.mkdir(parents=True, exist_ok=True)
-  command = [sys.executable, "-m", "lalte_jax.train", "--config", "tiny_mqar"]
-  for setting in settings:
-    command += ["--set", setting]
-  port = distributed.free_port()
-  per_process = len(devices) // processes
-  started, procs = time.monotonic(), []
-  for index in range(processes):
-    joined = ([] if processes == 1 else
-              ["--coordinator_address", f"localhost:{port}", "--num_processes", str(processes),
-               "--process_id", str(index)])
-    env = child_env(args.platform, devices[index * per_process:(index + 1) * per_process],
-                    timeout_s, deterministic=args.deterministic)
-    with open(run_dir / f"process{index}.log", "w", encoding="utf-8") as log:
-      procs.append(groups.start(command + joined, env=env, cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT))
-  status = None
-  while status is None:
-    codes = [proc.poll() for proc in procs]
-    if all(code == 0 for code in codes):
-      status = "ok"
-    elif any(code not in (None, 0) for code in codes):
-      status = "error"
-    elif time.monotonic() - started > timeout_s:
-      status = "timeout"
-    else:
-      time.sleep(0.2)
-  groups.close()  # the others of a failed run would wait for the heartbeat timeout
-  result = {"status": status, "wall_s": time.monotonic() - started,
-            "command": " ".join(command + (["--coordinator_address", "localhost:PORT",
-                                            "--num_processes", str(processes),
-                                            "--process_id", "I"] if processes > 1 else []))}
-  if status != "ok":
-    tail = "\n".join(f"--- process{i}.log\n" + (run_dir / f"process{i}.log").read_text(
-        errors="replace")[-LOG_TAIL_CHARS:] for i in range(processes))
-    result["error"] = (f"ran past {timeout_s:.0f} s" if status == "timeout" else
-                       f"exit statuses {[proc.returncode for proc in procs]}")
-    result["log_tail"] = tail
-    if status == "error" and is_out_of_memory(Exception(tail)):
-      result["status"] = "oom"
-  return result
-
-
-def read_records(run_dir: pathlib.Path) -> list[dict]:
-  """The step records of a run's metrics.jsonl (process 0's), in step order."""
-  path = run_dir / "metrics.jsonl"
-  if not path.exists():
-    return []
-  records = []
-  for line in path.read_text(encoding="utf-8").splitlines():
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:  # a line torn by a kill
-      continue
-    if isinstance(record, dict) and "step" in record and "loss" in record:
-      records.append(record)
-  return sorted(records, key=lambda record: record["step"])
 
 
 def step_metrics(records: list[dict], warmup: int, tokens_per_step: int, gpus: int) -> dict:
@@ -454,8 +320,9 @@ def run_case(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed or appended one
   settings = trainer_settings(args, preset, gpus=gpus, global_batch=case["global_batch"],
                               seq_len=args.seq_len, steps=args.steps, run_dir=run_dir)
-  run = run_trainer(groups, args, run_dir, settings, processes=gpus if mode == "multi" else 1,
-                    devices=devices[:gpus], timeout_s=timeout_s)
+  run = run_trainer(groups, run_dir, settings, processes=gpus if mode == "multi" else 1,
+                    devices=devices[:gpus], timeout_s=timeout_s, platform=args.platform,
+                    deterministic=args.deterministic)
   budget.record(preset, run["wall_s"])
   tokens_per_step = case["global_batch"] * args.seq_len
   case.update(run, **step_metrics(read_records(run_dir), args.warmup, tokens_per_step, gpus))
@@ -493,8 +360,9 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
                                 seq_len=seq_len, steps=k + m, run_dir=run_dir)
     settings += ["save_checkpoints=true", f"checkpoint_every={k}", "checkpoint_keep=10",
                  f"model_dtype={args.reshard_dtype}"]
-    outcome = run_trainer(groups, args, run_dir, settings, processes=processes,
-                          devices=devices[:gpus], timeout_s=timeout_s)
+    outcome = run_trainer(groups, run_dir, settings, processes=processes,
+                          devices=devices[:gpus], timeout_s=timeout_s, platform=args.platform,
+                          deterministic=args.deterministic)
     budget.record(f"reshard {preset}", outcome["wall_s"])
     outcome.update(name=name, processes=processes, gpus=gpus,
                    losses={r["step"]: r["loss"] for r in read_records(run_dir)})

@@ -74,14 +74,17 @@ def test_a_checkpoint_resumes_on_the_same_devices_in_fewer_processes(tmp_path, c
 
 
 def test_mesh_and_determinism_reach_the_children():
-  bench = load_tool("bench_scaling")
-  assert bench.mesh_settings("data", 4) == ["mesh_data=4", "mesh_fsdp=1"]
-  assert bench.mesh_settings("fsdp", 4) == ["mesh_data=1", "mesh_fsdp=4"]
-  env = bench.child_env("gpu", ["0", "1"], 60, deterministic=True)
+  runs = load_tool("trainer_runs")
+  assert runs.mesh_settings("data", 4) == ["mesh_data=4", "mesh_fsdp=1"]
+  assert runs.mesh_settings("fsdp", 4) == ["mesh_data=1", "mesh_fsdp=4"]
+  env = runs.child_env("gpu", ["0", "1"], 60, deterministic=True)
   assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
   assert "--xla_gpu_deterministic_ops=true" in env["XLA_FLAGS"].split()
-  assert "--xla_gpu_deterministic_ops" not in bench.child_env("gpu", ["0"], 60).get(
+  assert "--xla_gpu_deterministic_ops" not in runs.child_env("gpu", ["0"], 60).get(
       "XLA_FLAGS", "")
+  cpu = runs.child_env("cpu", ["0", "1", "2"], 60)
+  assert cpu["JAX_PLATFORMS"] == "cpu"
+  assert "--xla_force_host_platform_device_count=3" in cpu["XLA_FLAGS"].split()
 
 
 def test_plan_skips_missing_gpus_and_always_has_the_baseline():
