@@ -24,7 +24,7 @@ for timing only (tools/fla_models.py's `lift_hopper_guard`; every row records it
 gradients are not checked here; ours are checked against the float64 recurrence by the GPU tests.
 
 `--ours PATH` reads tools/bench_train.py's `--json` rows of the same run and adds, per preset,
-our tokens/s over the faster FLA mode ("ours / best FLA"). Run both tools in one GPU session, one
+our tokens/s over the faster FLA mode ("ours / best FLA"). Run both tools on the same GPU, one
 after the other (each takes the whole GPU):
   python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 --json ours.json
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b \\
