@@ -66,8 +66,14 @@ MODES = ("eager", "compile")
 DYNAMO_CACHE_SIZE_LIMIT = 256
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def new_parser() -> argparse.ArgumentParser:
+  return argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+
+def parse_args(argv: list[str] | None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+  """The checked arguments; `parser` (default: a new one) also reports later errors."""
+  parser = parser or new_parser()
   parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
                       help="'<variant>-<size>' names; those FLA has no model of are skipped")
   parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -209,13 +215,16 @@ def write(path: str, data) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = parse_args(argv)
+  parser = new_parser()
+  args = parse_args(argv, parser)
   presets = [preset for preset in args.presets if has_fla_model(preset)]
   for preset in sorted(set(args.presets) - set(presets)):
     print(f"{preset}: FLA has no model of this variant, skipped", file=sys.stderr)
-  torch = load_fla(argparse.ArgumentParser(prog="bench_train_fla.py"))
+  torch = load_fla(parser)
   lift_hopper_guard()
   rows = []
+  report = {"command": "python3 tools/bench_train_fla.py " + " ".join(
+      sys.argv[1:] if argv is None else argv), "rows": rows, "comparisons": []}
   for preset in presets:
     for mode in args.modes:
       row = {"preset": preset, "mode": mode, "seq_len": args.seq_len, "batch": args.batch,
@@ -231,11 +240,10 @@ def main(argv: list[str] | None = None) -> int:
       torch.cuda.empty_cache()
       rows.append(row)
       print(json.dumps(row), flush=True)
-      write(args.json, {"rows": rows, "comparisons": []})
-  comparisons = compare_with_ours(rows, args.ours_rows)
-  write(args.json, {"command": "python3 tools/bench_train_fla.py " + " ".join(
-      sys.argv[1:] if argv is None else argv), "rows": rows, "comparisons": comparisons})
-  print(markdown_table(rows, comparisons))
+      write(args.json, report)
+  report["comparisons"] = compare_with_ours(rows, args.ours_rows)
+  write(args.json, report)
+  print(markdown_table(rows, report["comparisons"]))
   return 1 if any(row["status"] == "error" for row in rows) else 0
 
 
