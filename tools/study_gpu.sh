@@ -5,7 +5,8 @@
 #   bash tools/study_gpu.sh RESULT_DIR [STATE_PREFIX]
 #
 # Run from the repository root with the wheels of the extra dependencies (grain, array-record,
-# portpicker, tensorboardX) in .whl/. The study lives in runs/capacity. When that directory does
+# portpicker, tensorboardX) in .whl/. The study lives in STUDY_DIR (default runs/capacity; another
+# directory holds a variant, e.g. longer runs with STUDY_ARGS="--steps 48000"). When it does
 # not exist yet (a fresh machine) and the parts STATE_PREFIX.NNofMM exist (default
 # .gpu/study/state.tar.gz: what the previous invocation packed), they are unpacked first. Then
 # tools/repro.py trains within the budget, and RESULT_DIR receives:
@@ -22,7 +23,7 @@ result=$(cd "$1" && pwd)  # absolute: the report is packed from inside the study
 state=${2:-.gpu/study/state.tar.gz}
 budget_s=${STUDY_BUDGET_S:-510}
 start=$(date +%s)
-study=runs/capacity
+study=${STUDY_DIR:-runs/capacity}
 log="$result/study.log"
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
