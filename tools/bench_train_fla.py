@@ -140,13 +140,13 @@ def train_mode(torch, preset: str, mode: str, args: argparse.Namespace) -> dict:
       np.random.default_rng(0).integers(0, vocab_size, (args.batch, args.seq_len)),
       dtype=torch.long, device="cuda")
 
-  def step() -> float:
+  def step():
     with torch.autocast("cuda", dtype=torch.bfloat16):
       loss = step_model(input_ids=ids_BT, labels=ids_BT).loss
     loss.backward()
     adamw.step()
     adamw.zero_grad(set_to_none=True)
-    return loss
+    return loss.detach()
 
   times = []
   for index in range(args.warmup + args.steps):

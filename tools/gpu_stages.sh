@@ -25,14 +25,16 @@
 #   gdn        GDN against FLA at shapes 0 and 1 of tools/compare_fla.py (~6-9 min)
 #   gdn23      GDN against FLA at shapes 3 and 2 (~6-9 min)
 #   study      the capacity study, resumable across runs (tools/study_gpu.sh, ~9 min)
-#   anchors    our training step and prefill next to FLA's PyTorch models of the same configs
-#              (0.4b training eager / torch.compile, 1.4b prefill at 4K; ~9 min, FLA autotunes)
+#   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
+#              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
+#              step, 2026-11-26)
+#   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -48,7 +50,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|multigpu) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|multigpu) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -170,13 +172,16 @@ case "$stage" in
     ;;
   anchors)
     # Ours first (JAX, then the process ends and frees the GPU), then FLA's PyTorch training of
-    # the same presets and shapes with the ratios to ours, then the prefill table with FLA rows.
-    # Needs FLA's wheels (--wheels).
-    step 150 python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
+    # the same presets and shapes with the ratios to ours (the tool writes its JSON after every
+    # row). Needs FLA's wheels (--wheels). FLA keeps its autotuning results in TRITON_CACHE_DIR,
+    # so a second stage on the same machine starts faster.
+    step 110 python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
       --warmup 2 --json "$dest/train_ours.json"
-    step 300 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 \
+    step 470 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 \
       --ours "$dest/train_ours.json" --json "$dest/train_fla.json"
-    step 200 python3 tools/bench_prefill.py --fla --lengths 4096 --json "$dest/prefill_4k.json"
+    ;;
+  flaprefill)
+    step 600 python3 tools/bench_prefill.py --fla --lengths 4096 --json "$dest/prefill_4k.json"
     ;;
   multigpu)
     # The trainer over 1, 2 and 4 GPUs on the data mesh (N processes and one process, 4 sequences
