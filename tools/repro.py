@@ -99,8 +99,29 @@ def run_dir(out: pathlib.Path, spec: capacity.RunSpec) -> pathlib.Path:
   return out / repro_report.RUNS_DIR / spec.name
 
 
+class OtherRunError(ValueError):
+  """A run directory of the planned name holds a run of other settings."""
+
+
 def is_finished(out: pathlib.Path, spec: capacity.RunSpec) -> bool:
-  return (run_dir(out, spec) / repro_run.RECORDS_FILE).is_file()
+  """Whether `spec`'s run has its records. Run names leave out the step count, so a directory of
+  the same name may hold the run of another study (e.g. one of fewer steps): that is an error,
+  since its records would be taken for this run's, or its checkpoint resumed under another
+  schedule."""
+  directory = run_dir(out, spec)
+  stored = []
+  if (directory / repro_run.RUN_FILE).is_file():
+    stored.append(repro_run.read_spec(directory)[0])
+  records_path = directory / repro_run.RECORDS_FILE
+  if records_path.is_file():
+    record = json.loads(records_path.read_text())
+    stored.append(capacity.RunSpec(record["model"], record["lr"], record["seed"],
+                                   record["pairs"], record["steps"]))
+  for other in stored:
+    if other != spec:
+      raise OtherRunError(f"{directory} holds the run {other}, not the planned {spec}: give this"
+                          " study its own --out")
+  return records_path.is_file()
 
 
 def plan(args, records: list[dict]) -> list[capacity.RunSpec]:
@@ -222,9 +243,12 @@ def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else list(argv))
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  if not args.report_only:
-    Scheduler(args, out).run()
-  payload = report(args, out)
+  try:
+    if not args.report_only:
+      Scheduler(args, out).run()
+    payload = report(args, out)
+  except OtherRunError as error:
+    raise SystemExit(f"error: {error}") from None
   print((out / "results.md").read_text())
   print(f"{len(payload['runs'])} runs finished, {len(payload['pending'])} pending; wrote"
         f" {out / 'results.json'}, {out / 'results.md'}", flush=True)

@@ -65,6 +65,21 @@ def test_plan_with_one_lr_starts_every_seed_at_once(tmp_path):
       "lalte_router_off_p96_lr0.0005_s1"]
 
 
+def test_a_run_directory_of_another_step_count_is_an_error(tmp_path, capsys):
+  repro = load_tool("repro")
+  write_records(tmp_path, [fake_record("gdn_attn", 5e-4, steps=2000)])
+  args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn", "--lrs", "5e-4",
+                           "--seeds", "0", "--steps", "2000", "--control-steps", "0"])
+  assert repro.is_finished(tmp_path, repro.plan(args, [])[0])
+  longer = ["--out", str(tmp_path), "--models", "gdn_attn", "--lrs", "5e-4", "--seeds", "0",
+            "--steps", "4000", "--control-steps", "0", "--report-only"]
+  with pytest.raises(SystemExit) as exit_info:
+    repro.main(longer)
+  message = str(exit_info.value)
+  assert "gdn_attn_p96_lr0.0005_s0 holds the run" in message and "steps=2000" in message
+  assert "give this study its own --out" in message
+
+
 def test_report_checks_pass_fail_and_missing():
   report = load_tool("repro_report")
   records = [fake_record("gdn_attn", lr, seed=s, select=92.0 + s) for lr in (1e-3, 3e-3)
@@ -198,7 +213,8 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   assert capacity.PREFIX_LEN >= lte.num_sinks
   config = capacity.study_config(capacity.RunSpec("lalte_warmup", 3e-3, 2))
   assert (config.lr, config.seed, config.steps) == (3e-3, 44, capacity.STEPS)
-  assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps == capacity.STEPS // 2
+  assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps == 8000
+  assert capacity.FULL.router_warmup_steps <= capacity.STEPS // 2
   assert capacity.study_config(capacity.RunSpec("lalte", 1e-3, 0)).lte_routing_freeze_steps == 0
   control = capacity.RunSpec("lalte_warmup", 1e-3, 0, pairs=capacity.CONTROL_KV_PAIRS,
                              steps=capacity.CONTROL_STEPS)
