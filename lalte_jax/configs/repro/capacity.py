@@ -9,7 +9,7 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   `gdn_swa`: sliding window of 192 keys;
   `lalte`: window w = 63 (64 keys) + cap b = 128 kept tokens per KV head, the 4 sinks included
   (b / T = 12.5%, the paper's 512 / 4096), the paper's recipe (router active from step 1);
-  `lalte_warmup`: the same with a router warm-up of 8000 steps (`FULL.router_warmup_steps`, at
+  `lalte_warmup`: the same with a router warm-up of 24000 steps (`FULL.router_warmup_steps`, at
   most half of a run: 4000 in the 8000-step control; every token kept, no router gradient, then
   the controller starts; lalte_jax/train/router_warmup.py);
   `lalte_bounded`: the paper's recipe with the sparsity weight lambda bounded by
@@ -33,7 +33,9 @@ values); at a constant lr, gdn_attn left it after ~7000 steps at 5e-4 and ~8000 
 within 8000 at 3e-3 or 1e-2. Hence one lr, 5e-4, and 16000 steps; the router warm-up keeps every
 token for the first 8000 steps, until attention has become useful. At 16000 steps gdn_attn
 reached 49.1 +- 3.9% with its loss still falling; over 48000 steps (the cosine stretched to the
-whole run) 99.7 +- 0.3%, 3 seeds (2026-11-26): hence STEPS = 48000. A study of another step
+whole run) 99.7 +- 0.3%, 3 seeds (2026-11-26): hence STEPS = 48000. Its training loss fell below 1
+only between steps 14900 and 23350 (by seed), so the router warm-up now lasts 24000 steps, half the
+run: at 16000 steps an 8000-step warm-up ended before attention was useful. A study of another step
 count needs its own directory (run names leave the steps out; tools/repro.py refuses a mix).
 Seeds: SEEDS at LEARNING_RATES (with several, each model's lr is chosen on a held-out capped
 evaluation of its seed-0 runs; tools/repro.py). The numbers are a starting point; a change needs a
@@ -95,7 +97,7 @@ class Scale:
 
 
 FULL = Scale(seq_len=SEQ_LEN, prefix_len=PREFIX_LEN, long_gap=LONG_GAP, batch=16,
-             warmup_steps=300, router_warmup_steps=8000, max_steps=None, max_pairs=None,
+             warmup_steps=300, router_warmup_steps=24000, max_steps=None, max_pairs=None,
              log_every=50, checkpoint_every=1000, num_eval_examples=256, lte_update_every=32,
              select_examples=256, test_examples=512, probe_examples=16)
 # Tests and `tools/repro.py --smoke`: the same structure shrunk until a CPU trains it in seconds;
