@@ -135,13 +135,19 @@ def decode_step(model, token, cache: ModelCache, *, validate: bool = True
   return _decode_jit(graphdef, state, jnp.asarray(token, jnp.int32), cache)
 
 
-def decode_step_fn(model):
+def decode_step_fn(model, compiler_options: dict | None = None):
   """`decode_step` without per-call checks or model splitting, for benchmarks and custom loops:
   returns `step(token_B, cache) -> (logits_BV, cache)` (the cache is donated);
-  `step.lower(token_B, cache)` lowers it (e.g. for the compiled HLO) without running it."""
+  `step.lower(token_B, cache)` lowers it (e.g. for the compiled HLO) without running it.
+  compiler_options: XLA options that replace or add to DECODE_COMPILER_OPTIONS for this step
+  (e.g. {"xla_gpu_graph_min_graph_size": 5} to measure XLA's default), compiled separately."""
   graphdef, state = nnx.split(model)
-  step = functools.partial(_decode_jit, graphdef, state)
-  step.lower = functools.partial(_decode_jit.lower, graphdef, state)
+  jitted = _decode_jit
+  if compiler_options:
+    jitted = jax.jit(_decode_jit.__wrapped__, static_argnums=(0,), donate_argnums=(3,),
+                     compiler_options={**DECODE_COMPILER_OPTIONS, **compiler_options})
+  step = functools.partial(jitted, graphdef, state)
+  step.lower = functools.partial(jitted.lower, graphdef, state)
   return step
 
 

@@ -4,6 +4,8 @@
     python tools/bench_decode.py --presets lalte-tiny gdn_attn-tiny --contexts 64 128 --batch 2
     python tools/bench_decode.py --presets lansa-1.4b lansa-0.4b --contexts 4096 16384 65536
     python tools/bench_decode.py --presets lalte-1.4b --contexts 4096 --profile  # GPU time by op
+    python tools/bench_decode.py --presets lalte-1.4b --contexts 4096 \
+        --compiler-option xla_gpu_graph_min_graph_size=5   # XLA's default, against ours (1)
 
 Random weights: float32, or with `--param-dtype bfloat16` bfloat16 matrices as a server holds them
 (`lalte_jax.inference.param_dtype`). For each preset and context length L the cache is set directly
@@ -107,9 +109,9 @@ def timed_steps(step, token_B, cache, count: int):
 
 
 def bench_one(model, batch: int, context: int, steps: int, warmup: int,
-              profile_steps: int = 0) -> dict:
+              profile_steps: int = 0, compiler_options: dict | None = None) -> dict:
   config = model.config
-  step = gen.decode_step_fn(model)
+  step = gen.decode_step_fn(model, compiler_options)
   # Room for every step this row runs (the profile's adds one warm-up step).
   cache = synthetic_cache(model, batch, context, extra=warmup + steps + profile_steps + 1)
   per_sequence = cache_bytes(cache) / batch
@@ -123,6 +125,21 @@ def bench_one(model, batch: int, context: int, steps: int, warmup: int,
         lambda carried: step(token_B, carried)[1], cache, hlo_text, steps=profile_steps)
   del cache
   return result
+
+
+def compiler_option(text: str) -> tuple[str, int | float | bool | str]:
+  """`KEY=VALUE` of --compiler-option: VALUE as an int, float or bool where it reads as one."""
+  key, sep, value = text.partition("=")
+  if not sep or not key:
+    raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+  if value.lower() in ("true", "false"):
+    return key, value.lower() == "true"
+  for kind in (int, float):
+    try:
+      return key, kind(value)
+    except ValueError:
+      pass
+  return key, value
 
 
 def build_model(name: str, dtype: str, param_dtype: str) -> HybridLM:
@@ -146,8 +163,13 @@ def main(argv: list[str] | None = None) -> None:
                       help="also trace --profile_steps steps per row and break their GPU time"
                            " down by op class (tools/step_profile.py)")
   parser.add_argument("--profile_steps", type=int, default=10, help="steps traced by --profile")
+  parser.add_argument("--compiler-option", type=compiler_option, action="append", default=[],
+                      metavar="KEY=VALUE",
+                      help="an XLA option for the decode step on top of"
+                           " generate.DECODE_COMPILER_OPTIONS (repeatable)")
   parser.add_argument("--json", default="", help="also write the rows (a JSON list) here")
   args = parser.parse_args(argv)
+  options = dict(args.compiler_option)
   if args.profile_steps <= 0:
     parser.error(f"--profile_steps must be positive, got {args.profile_steps}")
 
@@ -157,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     for context in args.contexts:
       try:
         result = bench_one(model, args.batch, context, args.steps, args.warmup,
-                           args.profile_steps if args.profile else 0)
+                           args.profile_steps if args.profile else 0, options)
       except Exception as error:  # pylint: disable=broad-except
         if not is_out_of_memory(error):
           raise
@@ -171,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
   print(f"\nDevice: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__},"
         f" batch {args.batch}, {args.dtype} activations, {args.param_dtype} parameters, random"
         f" weights; median of {args.steps}"
-        f" steps after {args.warmup} warm-up.")
+        f" steps after {args.warmup} warm-up; XLA options"
+        f" {dict(gen.DECODE_COMPILER_OPTIONS, **options)}.")
   print(f"Command: python tools/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"
         "\n")
   print("| model | context | decode ms / step | tokens/s (batch) | cache MiB / sequence |")
@@ -189,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
           f" {args.dtype} activations, {args.param_dtype} parameters, {device.device_kind}"))
   if args.json:
     common = {"batch": args.batch, "dtype": args.dtype, "param_dtype": args.param_dtype,
+              "compiler_options": dict(gen.DECODE_COMPILER_OPTIONS, **options),
               "device_kind": device.device_kind, "steps": args.steps, "warmup": args.warmup}
     with open(args.json, "w") as f:
       json.dump([{"preset": name, "context": context, **common,
