@@ -6,7 +6,7 @@
 #
 # Run from the repository root with the wheels of the extra dependencies (grain, array-record,
 # portpicker, tensorboardX) in .whl/. The study lives in STUDY_DIR (default runs/capacity; another
-# directory holds a variant, e.g. longer runs with STUDY_ARGS="--steps 48000"). When it does
+# directory holds a variant, e.g. shorter runs with STUDY_ARGS="--steps 16000"). When it does
 # not exist yet (a fresh machine) and the parts STATE_PREFIX.NNofMM exist (default
 # .gpu/study/state.tar.gz: what the previous invocation packed), they are unpacked first. Then
 # tools/repro.py trains within the budget, and RESULT_DIR receives:

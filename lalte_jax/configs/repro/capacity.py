@@ -30,8 +30,8 @@ paper (§8.1) with a linear lr warm-up of 300 steps and a cosine to 0.1x over ST
 Why these numbers (measured on an H100, docs/results.md "Changes to the settings"): in 2000 steps
 no model, full attention included, left the loss plateau of ln 4096 (a uniform guess among the
 values); at a constant lr, gdn_attn left it after ~7000 steps at 5e-4 and ~8000 at 1e-3, and not
-within 8000 at 3e-3 or 1e-2. Hence one lr, 5e-4, and 16000 steps; the router warm-up keeps every
-token for the first 8000 steps, until attention has become useful. At 16000 steps gdn_attn
+within 8000 at 3e-3 or 1e-2. Hence one lr, 5e-4, first with 16000 steps and an 8000-step router
+warm-up (every token kept until attention has become useful). At 16000 steps gdn_attn
 reached 49.1 +- 3.9% with its loss still falling; over 48000 steps (the cosine stretched to the
 whole run) 99.7 +- 0.3%, 3 seeds (2026-11-26): hence STEPS = 48000. Its training loss fell below 1
 only between steps 14900 and 23350 (by seed), so the router warm-up now lasts 24000 steps, half the
