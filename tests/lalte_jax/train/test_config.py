@@ -85,10 +85,10 @@ def test_cli_rejects_unknown_key_before_any_work(capsys):
 
 
 def test_config_file_with_argument_selects_one_experiment_of_a_family():
-  config = load_config("repro/capacity:lalte_warmup", ["steps=9000"])
-  assert config.variant == "lalte" and config.steps == 9000
+  config = load_config("repro/capacity:lalte_warmup", ["steps=30000"])
+  assert config.variant == "lalte" and config.steps == 30000
   assert config.model_config().layer_pattern == ("gdn", "lte")
-  assert config.lte_routing_freeze_steps == 8000
+  assert config.lte_routing_freeze_steps == 24000
   with pytest.raises(ValueError, match="mamba"):
     load_config("repro/capacity:mamba")
 
