@@ -29,12 +29,14 @@
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
+#   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K) with
+#              XLA option variants of the step (~8 min)
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|decode|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -50,7 +52,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|multigpu) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|decode|multigpu) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -179,6 +181,21 @@ case "$stage" in
       --warmup 2 --json "$dest/train_ours.json"
     step 470 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 \
       --ours "$dest/train_ours.json" --json "$dest/train_fla.json"
+    ;;
+  decode)
+    # Ours (generate.DECODE_COMPILER_OPTIONS: every kernel run a CUDA graph), XLA's default
+    # minimum graph size (5), and without dot strength reduction, which turns a one-row
+    # projection into a multiply that writes W * x and a reduction that reads it back.
+    for batch in 32 1; do
+      common=(--presets lalte-1.4b gdn_swa-1.4b --contexts 4096 --batch "$batch"
+              --param-dtype bfloat16)
+      step 100 python3 tools/bench_decode.py "${common[@]}" --json "$dest/decode_b$batch.json"
+      step 100 python3 tools/bench_decode.py "${common[@]}" \
+        --compiler-option xla_gpu_graph_min_graph_size=5 --json "$dest/decode_b${batch}_graphs5.json"
+      step 100 python3 tools/bench_decode.py "${common[@]}" \
+        --compiler-option xla_gpu_enable_dot_strength_reduction=false \
+        --json "$dest/decode_b${batch}_no_dot_strength_reduction.json"
+    done
     ;;
   flaprefill)
     step 600 python3 tools/bench_prefill.py --fla --lengths 4096 --json "$dest/prefill_4k.json"
