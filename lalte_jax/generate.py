@@ -64,11 +64,18 @@ def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits):
 DECODE_COMPILER_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,),
-                   compiler_options=DECODE_COMPILER_OPTIONS)
-def _decode_jit(graphdef, state, token_B, cache):
+def _decode(graphdef, state, token_B, cache):
   TRACE_COUNTS["decode"] += 1
   return stack.decode_impl(nnx.merge(graphdef, state), token_B, cache)
+
+
+def _jit_decode(compiler_options: dict):
+  """The jitted decode step (the cache donated), compiled with `compiler_options`."""
+  return jax.jit(_decode, static_argnums=(0,), donate_argnums=(3,),
+                 compiler_options=compiler_options)
+
+
+_decode_jit = _jit_decode(DECODE_COMPILER_OPTIONS)
 
 
 def _check_tokens(tokens, ndim: int, vocab_size: int, what: str) -> np.ndarray:
@@ -144,8 +151,7 @@ def decode_step_fn(model, compiler_options: dict | None = None):
   graphdef, state = nnx.split(model)
   jitted = _decode_jit
   if compiler_options:
-    jitted = jax.jit(_decode_jit.__wrapped__, static_argnums=(0,), donate_argnums=(3,),
-                     compiler_options={**DECODE_COMPILER_OPTIONS, **compiler_options})
+    jitted = _jit_decode({**DECODE_COMPILER_OPTIONS, **compiler_options})
   step = functools.partial(jitted, graphdef, state)
   step.lower = functools.partial(jitted.lower, graphdef, state)
   return step
