@@ -203,7 +203,8 @@ case "$stage" in
   multigpu)
     # The trainer over 1, 2 and 4 GPUs on the data mesh (N processes and one process, 4 sequences
     # of 4096 per GPU, lalte-0.4b, gdn_swa-0.4b, lalte-1.4b as far as SCALING_S seconds reach; the
-    # tool skips what cannot finish and writes its JSON after every case), a bf16 lalte-1.4b FSDP
+    # tool skips what cannot finish and writes its JSON after every case; SCALING_ARGS adds
+    # arguments), a bf16 lalte-1.4b FSDP
     # checkpoint of 4 processes resumed by 2 and by 1 process on the same GPUs (float32 steps
     # take minutes to compile), then the Pallas kernels inside shard_map (lalte_jax/sharding.py).
     scaling_s=${SCALING_S:-480}
@@ -212,8 +213,9 @@ case "$stage" in
       ((left < scaling_s)) && scaling_s=$left
       ((scaling_s < 1)) && scaling_s=1
     fi
+    # shellcheck disable=SC2086  # SCALING_ARGS: extra words, e.g. "--presets X --gpus 1,4"
     step $((scaling_s + 30)) python3 tools/bench_scaling.py --budget-s "$scaling_s" \
-      --out "$dest/runs" --json "$dest/scaling.json"
+      --out "$dest/runs" --json "$dest/scaling.json" ${SCALING_ARGS:-}
     step 330 python3 tools/bench_scaling.py --presets "" --mesh fsdp --batch-per-gpu 1 \
       --reshard lalte-1.4b --reshard-dtype bfloat16 --reshard-seq-len 1024 --reshard-steps 2,2 \
       --reshard-same-gpus --case-timeout-s 140 --out "$dest/runs" --json "$dest/reshard.json"

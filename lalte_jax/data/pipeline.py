@@ -116,7 +116,10 @@ def make_dataset(source, *, batch_size_per_process: int, seed: int, shuffle: boo
       raise ValueError(f"{len(source)} examples x {num_epochs} epochs make no global batch of"
                        f" {global_batch} ({batch_size_per_process} x {process_count} processes)")
     dataset = dataset[:num_global_batches * global_batch]
-  dataset = dataset[process_index::process_count]
+  # Process p reads rows [p*b, (p+1)*b) of each global batch: the processes' rows stacked in
+  # process order are the one-process batch, so the training step needs no reordering and
+  # compiles to the same program on any number of processes.
   dataset = dataset.batch(batch_size_per_process, drop_remainder=drop_remainder)
+  dataset = dataset[process_index::process_count]
   read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_batches)
   return iter(dataset.to_iter_dataset(read_options))

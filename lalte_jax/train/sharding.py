@@ -144,18 +144,6 @@ def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, ja
           for name, value in local_batch.items()}
 
 
-def stream_order(num_rows: int, process_count: int) -> np.ndarray:
-  """Indices that put a global batch assembled by `global_batch` back into data-stream order.
-
-  `lalte_jax.data.make_dataset` gives process p the stream elements p, p+P, p+2P, ... of each
-  global batch, and `global_batch` stacks the processes' rows in process order, so stream element
-  r sits at row (r % P) * (B / P) + r // P. Reordering makes dropout masks and micro-batch
-  membership depend on the stream only, so a run is the same on any number of processes.
-  """
-  rows = np.arange(num_rows)
-  return (rows % process_count) * (num_rows // process_count) + rows // process_count
-
-
 def to_host(tree):
   """Numpy copies of replicated (or single-process) arrays. In a multi-process run a replicated
   array is not fully addressable, so `np.asarray` on it fails; any local shard holds it all."""

@@ -143,15 +143,6 @@ class Trainer:
     step_fn = make_train_step(self.graphdef, self.model_config, config,
                               micro_batch_sharding=sharding.micro_batch_sharding(self.mesh))
     batch_sh = sharding.batch_sharding(self.mesh)
-    if jax.process_count() > 1:  # a gather of int tokens: negligible next to the model
-      order = sharding.stream_order(config.global_batch_size, jax.process_count())
-      per_process_step = step_fn
-
-      def step_fn(state, batch):
-        batch = {name: jax.lax.with_sharding_constraint(rows[order], batch_sh)
-                 for name, rows in batch.items()}
-        return per_process_step(state, batch)
-
     self.step_fn = sharding.MeshJit(
         step_fn, self.mesh, in_shardings=(self.state_shardings, batch_sh),
         out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
