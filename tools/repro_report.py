@@ -24,7 +24,7 @@ import statistics
 from lalte_jax.configs.repro import capacity
 
 RUNS_DIR = "runs"
-LTE_MODELS = ("lalte", "lalte_warmup", "lalte_bounded")
+LTE_MODELS = ("lalte",) + capacity.WARMUP_MODELS + ("lalte_bounded",)
 
 
 # A run has left the plateau once its answers' cross-entropy is this far below ln(#values).
@@ -168,6 +168,27 @@ def acceptance_checks(rows: dict[str, dict]) -> list[dict]:
   return checks
 
 
+def _warmup_checks(model: str, runs: list[dict]) -> list[dict]:
+  """The router checks of a warm-up model, on its first seed: at the switch, dCE/dscore < 0 on
+  the queried values of every head; at the end, values retained more than fillers."""
+  if not runs:
+    return [_check(f"{model}: after the warm-up, dCE/dscore < 0 on queried values (every head)",
+                   None, f"needs a finished {model} run")]
+  record = min(runs, key=lambda r: (r["seed"], r["lr"]))
+  steps = sorted(int(k) for k in record["probes"])
+  switch = min((s for s in steps if s > 1), default=None)
+  first, last = record["probes"][str(switch)], record["probes"][str(steps[-1])]
+  negative = all(v < 0 for row in first["dscore_value"] for v in row)
+  higher = all(v > f for rv, rf in zip(last["retained_value"], last["retained_filler"])
+               for v, f in zip(rv, rf))
+  return [_check(f"{model}: after the warm-up, dCE/dscore < 0 on queried values (every head)",
+                 negative, f"{record['name']} step {switch}: value {first['dscore_value']},"
+                 f" filler {first['dscore_filler']}"),
+          _check(f"{model}: queried values retained more than fillers (every head)", higher,
+                 f"{record['name']} step {steps[-1]}: value {last['retained_value']},"
+                 f" filler {last['retained_filler']}")]
+
+
 def falsification_checks(records: list[dict], rows: dict[str, dict]) -> list[dict]:
   """Where laLTE could fail for a wrong implementation rather than for the setting."""
   checks = []
@@ -187,24 +208,9 @@ def falsification_checks(records: list[dict], rows: dict[str, dict]) -> list[dic
                          f"lr {best:g}, seeds {seeds}: {off_mean:.1f} vs {attn_mean:.1f}"))
   else:
     checks.append(_check(name, None, "needs lalte_router_off and gdn_attn at one lr and seed"))
-  warm = [r for r in records if r["model"] == "lalte_warmup" and r.get("probes")]
-  if warm:
-    record = min(warm, key=lambda r: (r["seed"], r["lr"]))
-    steps = sorted(int(k) for k in record["probes"])
-    switch = min((s for s in steps if s > 1), default=None)
-    first, last = record["probes"][str(switch)], record["probes"][str(steps[-1])]
-    negative = all(v < 0 for row in first["dscore_value"] for v in row)
-    higher = all(v > f for rv, rf in zip(last["retained_value"], last["retained_filler"])
-                 for v, f in zip(rv, rf))
-    checks.append(_check("after the warm-up, dCE/dscore < 0 on queried values (every head)",
-                         negative, f"{record['name']} step {switch}: value"
-                         f" {first['dscore_value']}, filler {first['dscore_filler']}"))
-    checks.append(_check("queried values retained more than fillers (every head)", higher,
-                         f"{record['name']} step {steps[-1]}: value {last['retained_value']},"
-                         f" filler {last['retained_filler']}"))
-  else:
-    checks.append(_check("after the warm-up, dCE/dscore < 0 on queried values (every head)",
-                         None, "needs a finished lalte_warmup run"))
+  for model in capacity.WARMUP_MODELS:
+    checks += _warmup_checks(model, [r for r in records if r["model"] == model
+                                     and r.get("probes")])
   for model in LTE_MODELS:
     row = rows.get(model)
     available = _mean(row, "availability_capped")

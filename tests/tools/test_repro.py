@@ -122,6 +122,39 @@ def test_report_checks_pass_fail_and_missing():
   assert check["status"] == "pass" and "seeds [0, 1, 2]: 93.3 vs 93.0" in check["detail"]
 
 
+def test_warmup_checks_read_the_first_seeds_probes():
+  """Each warm-up model gets its own router checks, from its lowest seed: dCE/dscore at the
+  switch (the first probe after step 1) and retention at the last probe."""
+  report = load_tool("repro_report")
+  def probes(switch_value, end_value, end_filler):
+    return {"1": {"dscore_value": [[0.1, 0.1]], "retained_value": [[1.0, 1.0]],
+                  "dscore_filler": [[0.0, 0.0]], "retained_filler": [[1.0, 1.0]]},
+            "1000": {"dscore_value": switch_value, "dscore_filler": [[1e-6, 1e-6]],
+                     "retained_value": [[1.0, 1.0]], "retained_filler": [[1.0, 1.0]]},
+            "2000": {"dscore_value": [[0.0, 0.0]], "dscore_filler": [[0.0, 0.0]],
+                     "retained_value": end_value, "retained_filler": end_filler}}
+  good = dict(fake_record("lalte_warmup_bounded", 1e-3, seed=0, lte=True),
+              probes=probes([[-2e-3, -1e-4]], [[0.9, 0.8]], [[0.1, 0.2]]))
+  other_seed = dict(fake_record("lalte_warmup_bounded", 1e-3, seed=1, lte=True),
+                    probes=probes([[2e-3, 2e-3]], [[0.0, 0.0]], [[0.5, 0.5]]))
+  bad = dict(fake_record("lalte_warmup", 1e-3, seed=0, lte=True),
+             probes=probes([[-2e-3, 1e-3]], [[0.9, 0.0]], [[0.1, 0.0]]))
+  payload = report.summarize([other_seed, good, bad], models=("lalte_warmup",
+                             "lalte_warmup_bounded"), lrs=(1e-3,), seeds=(0, 1), steps=2000,
+                             control_steps=0)
+  status = {c["check"]: c["status"] for c in payload["checks"]}
+  switch = ": after the warm-up, dCE/dscore < 0 on queried values (every head)"
+  retained = ": queried values retained more than fillers (every head)"
+  assert status["lalte_warmup_bounded" + switch] == "pass"
+  assert status["lalte_warmup_bounded" + retained] == "pass"
+  assert status["lalte_warmup" + switch] == "fail"  # head 1 is positive at the switch
+  assert status["lalte_warmup" + retained] == "fail"  # head 1 keeps neither
+  missing = report.summarize([good], models=("lalte_warmup",), lrs=(1e-3,), seeds=(0,),
+                             steps=2000, control_steps=0)
+  assert {c["check"]: c["status"] for c in missing["checks"]}["lalte_warmup" + switch] \
+      == "missing"
+
+
 def _random_file(path: pathlib.Path, size: int) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_bytes(np.random.default_rng(len(str(path))).bytes(size))
@@ -220,9 +253,12 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   assert capacity.study_config(control).lte_routing_freeze_steps == capacity.CONTROL_STEPS // 2
   bounds = {m: capacity.study_config(capacity.RunSpec(m, 1e-3, 0)).lte_lambda_max
             for m in capacity.ALL_MODELS}
-  assert bounds.pop("lalte_bounded") == capacity.BOUNDED_LAMBDA_MAX < 1.0
+  assert bounds.pop("lalte_bounded") == bounds.pop("lalte_warmup_bounded") \
+      == capacity.BOUNDED_LAMBDA_MAX < 1.0
   assert set(bounds.values()) == {1.0}
-  assert models["lalte_bounded"] == models["lalte"]
+  assert models["lalte_bounded"] == models["lalte_warmup_bounded"] == models["lalte"]
+  both = capacity.study_config(capacity.RunSpec("lalte_warmup_bounded", 5e-4, 0))
+  assert both.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps
 
 
 @pytest.mark.slow

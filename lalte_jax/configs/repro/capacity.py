@@ -14,6 +14,9 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   the controller starts; lalte_jax/train/router_warmup.py);
   `lalte_bounded`: the paper's recipe with the sparsity weight lambda bounded by
   BOUNDED_LAMBDA_MAX instead of 1 (`lte_lambda_max`);
+  `lalte_warmup_bounded`: both, the warm-up of `lalte_warmup` and the bound of `lalte_bounded`
+  (at 48000 steps `lalte_warmup` had learned the task during its warm-up, then lost it within
+  3000 steps of the switch while lambda grew to 0.43; docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
@@ -52,7 +55,8 @@ import dataclasses
 from lalte_jax.data.synthetic import MQARSource
 from lalte_jax.train.config import TrainConfig
 
-MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lansa")
+MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lalte_warmup_bounded",
+          "lansa")
 ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
 CHECKS = (ROUTER_OFF,)
 ALL_MODELS = MODELS + CHECKS
@@ -117,7 +121,9 @@ _MIXER = {
     "lalte": ("lalte", "lte", {"window": 63, "cap": 128}),
     "lansa": ("lansa", "nsa", {"window_size": 64, "block_size": 16, "block_count": 8}),
 }
-_MIXER["lalte_warmup"] = _MIXER["lalte_bounded"] = _MIXER["lalte_router_off"] = _MIXER["lalte"]
+WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded")  # a router warm-up of FULL's steps
+BOUNDED_MODELS = ("lalte_bounded", "lalte_warmup_bounded")  # lambda <= BOUNDED_LAMBDA_MAX
+_MIXER.update({name: _MIXER["lalte"] for name in WARMUP_MODELS + BOUNDED_MODELS + (ROUTER_OFF,)})
 _SMOKE_SHARED = {"hidden_size": 32, "vocab_size": 128, "intermediate_size": 64,
                  "gdn.num_heads": 4, "gdn.head_dim": 8}
 _SMOKE_HEADS = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16}
@@ -161,8 +167,8 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
   steps = min(spec.steps, scale.max_steps or spec.steps)
   # At most half the run: the P = 8 control (8000 steps) must train its router too (with the whole
   # run frozen its capped accuracy was 23% against 55% uncapped, 2026-11-26).
-  freeze = {"lalte_warmup": min(scale.router_warmup_steps, steps // 2),
-            ROUTER_OFF: steps}.get(spec.model, 0)
+  freeze = (min(scale.router_warmup_steps, steps // 2) if spec.model in WARMUP_MODELS
+            else steps if spec.model == ROUTER_OFF else 0)
   return TrainConfig(
       variant=_MIXER[spec.model][0], size="tiny", model_dtype="bfloat16",
       model_overrides=model_overrides(spec.model, smoke=smoke),
@@ -173,8 +179,8 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
       global_batch_size=scale.batch, steps=steps,
       warmup_steps=min(scale.warmup_steps, steps - 1), lr=spec.lr, lr_min_ratio=0.1,
       lte_update_every=scale.lte_update_every, lte_routing_freeze_steps=freeze,
-      lte_lambda_max={"lalte_bounded": BOUNDED_LAMBDA_MAX}.get(spec.model,
-                                                              TrainConfig.lte_lambda_max),
+      lte_lambda_max=(BOUNDED_LAMBDA_MAX if spec.model in BOUNDED_MODELS
+                      else TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",
       log_every=scale.log_every, eval_batches=4, checkpoint_every=scale.checkpoint_every,
       checkpoint_keep=1, tensorboard=False, progress_bar=False)
