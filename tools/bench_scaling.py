@@ -27,8 +27,8 @@ the device kind, per GPU; absent on CPU unless `--peak-tflops`), and `peak_memor
 largest peak of process 0's devices). Derived: tokens/s, tokens/s per GPU, scaling efficiency
 tokens/s(N) / (N x tokens/s of the 1-GPU run; of the fewest GPUs that ran when 1 GPU was out of
 memory), and for "multi" the largest |loss difference| from
-"single" at the same N (expected <= `--tolerance`: the trainer puts the rows in stream order, so
-both see the same global batch).
+"single" at the same N (expected <= `--tolerance`: each process reads a contiguous block of every
+global batch, so both see the same global batch in the same rows and compile the same step).
 
 `--reshard PRESET`: resuming onto fewer processes. PRESET trains K+M steps (`--reshard-steps K,M`)
 as `--reshard-from` processes, with a checkpoint at step K; that checkpoint is copied into a new
@@ -42,7 +42,7 @@ The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype i
 
 `--deterministic` adds XLA's `--xla_gpu_deterministic_ops=true` to every child (deterministic
 scatters, autotuning off, so that both modes pick the same kernels), to rule out those sources of
-a multi != single difference on GPUs (on 4 H200s in bf16 it did not remove the difference:
+a multi != single difference on GPUs (on 4 GPUs in bf16 it did not remove the difference:
 docs/benchmarks.md, section 6.1). The step-time breakdown (compute against
 collectives) is `tools/bench_train.py --profile` on the same GPUs (`collective_exposed_ms`: the
 time a collective runs with no other kernel beside it).
