@@ -262,7 +262,8 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gdn_swa", "lansa", "lalte_router_off"])
+@pytest.mark.parametrize("model",
+                         ["gdn_swa", "lansa", "lalte_router_off", "lalte_warmup_bounded"])
 def test_study_settings_train_and_checkpoint_a_few_steps(tmp_path, model):
   from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
   from lalte_jax.train import checkpointing  # pylint: disable=import-outside-toplevel
