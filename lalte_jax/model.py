@@ -70,11 +70,13 @@ class Block(nnx.Module):
     h_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
     return h_BTD, extra
 
-  def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None
+  def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
+               keep_every_token: jax.Array | bool = False
                ) -> tuple[jax.Array, jax.Array | None]:
     """Returns the new residual stream and, for LTE blocks, the router scores [B, T, Hkv]."""
     if self.mixer_kind == "lte":
-      return self._residual(h_BTD, lambda x: self.mixer(x, dropout_key=dropout_key))
+      return self._residual(h_BTD, lambda x: self.mixer(
+          x, dropout_key=dropout_key, keep_every_token=keep_every_token))
     return self._residual(h_BTD, lambda x: (self.mixer(x), None))
 
   def step(self, h_BTD: jax.Array, cache, ctx: StepContext, mode: str):
@@ -96,14 +98,15 @@ class LayerGroup(nnx.Module):
     kinds = config.layer_pattern[:config.pattern_period]
     self.blocks = nnx.List([Block(config, kind, rngs=rngs) for kind in kinds])
 
-  def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None
+  def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
+               keep_every_token: jax.Array | bool = False
                ) -> tuple[jax.Array, jax.Array | None]:
     """Returns h and the stacked LTE scores of this group [L_lte_in_group, B, T, Hkv] (or None)."""
     keys = [None] * len(self.blocks) if dropout_key is None else list(
         jax.random.split(dropout_key, len(self.blocks)))
     scores = []
     for block, key in zip(self.blocks, keys):
-      h_BTD, score_BTK = block(h_BTD, key)
+      h_BTD, score_BTK = block(h_BTD, key, keep_every_token)
       if score_BTK is not None:
         scores.append(score_BTK)
     return h_BTD, jnp.stack(scores) if scores else None
@@ -152,13 +155,13 @@ class HybridLM(nnx.Module):
   def num_groups(self) -> int:
     return self.config.num_layers // self.config.pattern_period
 
-  def _run_groups(self, h_BTD: jax.Array, dropout_key: jax.Array | None
-                  ) -> tuple[jax.Array, jax.Array | None]:
+  def _run_groups(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
+                  keep_every_token: jax.Array | bool) -> tuple[jax.Array, jax.Array | None]:
     graphdef, stacked_state = nnx.split(self.groups)
     keys = None if dropout_key is None else jax.random.split(dropout_key, self.num_groups)
 
     def one_group(h, state, key):
-      return nnx.merge(graphdef, state)(h, key)
+      return nnx.merge(graphdef, state)(h, key, keep_every_token)
 
     if self.config.remat == "block":
       one_group = jax.checkpoint(one_group)
@@ -190,17 +193,20 @@ class HybridLM(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None,
-               return_aux: bool = False, return_hidden: bool = False):
+               keep_every_token: jax.Array | bool = False, return_aux: bool = False,
+               return_hidden: bool = False):
     """Logits [B, T, V] float32, or with `return_hidden` the last group's output [B, T, D] in the
     compute dtype (`logits_from_hidden` of it gives the logits); and `ModelAux` if `return_aux`.
 
     `dropout_key` turns on the only dropout of these models (inside the LTE router, §4.1); leave
-    it None for evaluation.
+    it None for evaluation. `keep_every_token` (a traced or Python bool) makes every LTE layer
+    attend to every token while its router's scores keep their gradients (the learning router
+    warm-up of lalte_jax/train/router_warmup.py).
     """
     config = self.config
     validate_tokens(tokens_BT, config.vocab_size)
     h_BTD = self.embed(tokens_BT)
-    h_BTD, lte_scores = self._run_groups(h_BTD, dropout_key)
+    h_BTD, lte_scores = self._run_groups(h_BTD, dropout_key, keep_every_token)
     out = h_BTD if return_hidden else self.logits_from_hidden(h_BTD)
     if not return_aux:
       return out

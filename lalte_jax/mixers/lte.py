@@ -79,9 +79,12 @@ class LTEAttention(nnx.Module):
                                      rngs=rngs)
     self.router = LTERouter(lte, rngs=rngs)
 
-  def __call__(self, x_BTD: jax.Array, *, dropout_key: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array]:
-    """Returns (output [B,T,hidden], score [B,T,Hkv] float32)."""
+  def __call__(self, x_BTD: jax.Array, *, dropout_key: jax.Array | None = None,
+               keep_every_token: jax.Array | bool = False) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [B,T,hidden], score [B,T,Hkv] float32). `keep_every_token` (a traced or
+    Python bool) makes every token visible while the scores keep their values and gradients, so
+    the straight-through gradient reaches every token's score (a learning router warm-up,
+    lalte_jax/train/router_warmup.py)."""
     lte = self.config
     q_BTHD, k_BTKD, v_BTKD = self.proj.qkv(x_BTD)
     score_BTK = self.router(k_BTKD, v_BTKD, dropout_key=dropout_key)
@@ -93,7 +96,7 @@ class LTEAttention(nnx.Module):
         lambda q, k, v, kept: masked_attention(q, k, v, window_size=lte.window_keys,
                                                num_sinks=lte.num_sinks, kept_BSK=kept,
                                                implementation=lte.implementation),
-        q_BTHD, k_BTKD, v_BTKD, selected_tokens(score_BTK))
+        q_BTHD, k_BTKD, v_BTKD, selected_tokens(score_BTK) | keep_every_token)
     return self.proj.output(o_BTHD), score_BTK
 
   def prefill(self, x_BTD: jax.Array, cache: LTECache, ctx: StepContext

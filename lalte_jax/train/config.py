@@ -93,8 +93,11 @@ class TrainConfig:
   lte_tolerance_high: float = 1.0
   # Router warm-up (the reference's `routing_freeze_steps`, 0 in the paper's runs): for the first
   # N steps every token is kept and the router gets no gradient; the controller then starts from
-  # its initial state (lalte_jax/train/router_warmup.py).
+  # its initial state (lalte_jax/train/router_warmup.py). With `lte_routing_freeze_learns` the
+  # router learns during those N steps from the straight-through gradient of reads that see
+  # every token (still every token kept, no sparsity loss).
   lte_routing_freeze_steps: int = 0
+  lte_routing_freeze_learns: bool = False
   # Parallelism: mesh axis sizes; -1 on `mesh_data` takes all remaining devices.
   mesh_data: int = -1
   mesh_fsdp: int = 1
@@ -160,6 +163,8 @@ class TrainConfig:
              f"gap and prefix must be >= 0, got {self.mqar_min_gap}, {self.mqar_prefix_len}")
     _require(0 <= self.lte_routing_freeze_steps <= self.steps, "lte_routing_freeze_steps",
              f"must be in [0, steps={self.steps}], got {self.lte_routing_freeze_steps}")
+    _require(not self.lte_routing_freeze_learns or self.lte_routing_freeze_steps > 0,
+             "lte_routing_freeze_learns", "needs a warm-up (lte_routing_freeze_steps > 0)")
     _require(self.loss_chunk_tokens >= 0, "loss_chunk_tokens",
              f"must be >= 0 (0 = no chunking), got {self.loss_chunk_tokens!r}")
     _require(self.step_timeout_s >= 0, "step_timeout_s",

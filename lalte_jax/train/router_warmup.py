@@ -11,6 +11,16 @@ With `TrainConfig.lte_routing_freeze_steps = N`, during the first N optimizer st
 - the sparsity controller stays at its initial state (lambda 0, EMA = seq_len, §4.6); from step
   N + 1 on it runs as in a fresh run, its step k - N playing the role of k.
 The same override evaluates a model with its router off (`keep_every_token(params, True)`).
+
+With `TrainConfig.lte_routing_freeze_learns` the router learns during those N steps instead:
+the model is called with `keep_every_token=True` (every token visible to every query, the
+scores untouched), so each token's score receives the straight-through gradient of all its
+reads, the long-range ones included, and the router and its inputs are updated with the rest of
+the model; the controller is held as above, so no sparsity loss acts. Why: a frozen router
+starts routing at step N + 1 with the scores of its initialisation applied to keys and values
+trained for N steps, and in the capacity study (docs/results.md, "48,000 steps") that evicted
+nearly every token of one KV head within 50 steps, in every run; tokens evicted then never came
+back, because an evicted token is read only inside the window.
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ The controller is updated even on a skipped step, as in the reference, where the
 (step 2) precedes the clip that detects the non-finite norm.
 
 Router warm-up (`lte_routing_freeze_steps` = N > 0, lalte_jax/train/router_warmup.py): steps
-1..N keep every token, give the routers no gradient and no update, and hold the controller at its
-initial state; from step N + 1 the controller counts its steps from there.
+1..N keep every token, give the routers no gradient and no update (or, with
+`lte_routing_freeze_learns`, the straight-through gradient of reads that see every token), and
+hold the controller at its initial state; from step N + 1 the controller counts its steps from
+there.
 """
 
 from __future__ import annotations
@@ -133,14 +135,16 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
   margin = model_config.lte.router_margin if ctrl is not None else 0
   num_micro = config.grad_accum_steps
   freeze_steps = config.lte_routing_freeze_steps
+  router_learns = config.lte_routing_freeze_learns
   chunk_tokens = config.loss_chunk_tokens
 
   def micro_loss(params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen):
-    if freeze_steps:  # d(forward params)/d(router output bias) is 0 while frozen
+    if freeze_steps and not router_learns:  # d(forward)/d(router output bias) is 0 while frozen
       params = router_warmup.keep_every_token(params, frozen)
     model = nnx.merge(graphdef, params)
     # The head runs inside the loss, chunk by chunk when chunk_tokens > 0: no [B, T, V] logits.
-    hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True)
+    hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True,
+                            keep_every_token=jnp.logical_and(frozen, router_learns))
     with jax.named_scope("cross_entropy_loss"):  # names its ops in profiles (step_profile.py)
       ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
                                          chunk_tokens)
@@ -212,7 +216,7 @@ def make_train_step(graphdef: nnx.GraphDef, model_config: ModelConfig, config: T
       updates, new_opt_state = tx.update(clipped, state.opt_state, state.params)
       lr = opt_lib.learning_rate(config, state.step)  # 0-based index of this optimizer step
       new_params = opt_lib.apply_updates(state.params, updates, lr)
-      if freeze_steps:
+      if freeze_steps and not config.lte_routing_freeze_learns:
         new_params = router_warmup.hold_routers(new_params, state.params, frozen)
       # Select, never blend: the old leaves come back bit for bit when the step is skipped.
       keep_new = lambda new, old: jnp.where(finite, new, old)

@@ -62,6 +62,63 @@ def test_every_token_kept_is_causal_attention_and_retains_every_position():
 
 
 @pytest.mark.slow
+def test_keep_every_token_call_sees_every_token_and_passes_the_router_gradient():
+  """The learning warm-up's forward: causal attention over every token, the scores untouched,
+  and a straight-through gradient that reaches the router (the bias override passes none)."""
+  seq_len = 40
+  config = get_model_config("lalte-tiny").replace(dtype="float32", init_std=0.2)
+  full_window = config.replace(lte=dataclasses.replace(config.lte, window=seq_len - 1))
+  model, reference = (HybridLM(c, rngs=nnx.Rngs(0)) for c in (config, full_window))
+  tokens = jax.random.randint(jax.random.key(1), (2, seq_len), 1, config.vocab_size)
+  logits, aux = model(tokens, keep_every_token=jnp.asarray(True), return_aux=True)
+  np.testing.assert_allclose(logits, reference(tokens), rtol=2e-5, atol=2e-5)
+  plain_logits, plain = model(tokens, return_aux=True)
+  # The first LTE layer's scores are untouched (later layers read changed inputs).
+  np.testing.assert_array_equal(aux.lte_scores[0], plain.lte_scores[0])
+  assert (np.asarray(plain.lte_scores) <= 0).any()  # some tokens would be evicted
+  assert not np.allclose(plain_logits, logits, atol=1e-4)
+  graphdef, params = nnx.split(model, nnx.Param)
+  weights = jax.random.normal(jax.random.key(2), logits.shape)
+
+  def router_gradients(state, learn):
+    loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(tokens, keep_every_token=learn)
+                                 * weights)
+    grads = jax.grad(loss)(state)
+    return [np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+            if router_warmup.is_router_parameter(path)]
+
+  pure = nnx.to_pure_dict(params)  # the train state's form, which the override expects
+  learning = router_gradients(pure, jnp.asarray(True))
+  frozen = router_gradients(router_warmup.keep_every_token(pure, True), jnp.asarray(False))
+  assert learning and all(np.isfinite(g).all() for g in learning)
+  assert any(np.abs(g).max() > 0 for g in learning)
+  assert all((g == 0).all() for g in frozen)
+
+
+@pytest.mark.slow
+def test_learning_warmup_trains_the_router_and_holds_the_controller(tmp_path):
+  seq_len, freeze = 32, 2
+  config = TrainConfig(variant="lalte", size="tiny", model_dtype="float32", data="mqar",
+                       seq_len=seq_len, mqar_num_kv_pairs=2, global_batch_size=2, steps=4,
+                       warmup_steps=1, lr=1e-2, lte_update_every=2,
+                       lte_routing_freeze_steps=freeze, lte_routing_freeze_learns=True,
+                       output_dir=str(tmp_path), tensorboard=False, progress_bar=False)
+  trainer = Trainer(config)
+  initial = _leaves(trainer.state.params)
+  for _ in range(freeze):
+    metrics = trainer.train_step(next(trainer.data_iterator))
+    assert np.isfinite(float(metrics["ce_loss"]))
+    np.testing.assert_array_equal(metrics["sparsity_loss"], 0.0)
+    np.testing.assert_array_equal(trainer.state.controller.lambda_LH, 0.0)
+    np.testing.assert_array_equal(trainer.state.controller.ema_LH, float(seq_len))
+  params = _leaves(trainer.state.params)
+  router = [name for name, (path, _) in params.items() if router_warmup.is_router_parameter(path)]
+  assert router and any((params[n][1] != initial[n][1]).any() for n in router)
+  with pytest.raises(ValueError, match="lte_routing_freeze_learns"):
+    dataclasses.replace(config, lte_routing_freeze_steps=0)
+
+
+@pytest.mark.slow
 def test_warmup_freezes_the_router_and_restarts_the_controller(tmp_path):
   # An odd warm-up with u = 2: counted from the start, lambda would move at step 4; counted
   # from the end of the warm-up, it moves at step 5.
