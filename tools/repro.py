@@ -20,8 +20,9 @@ Resuming: the study is a pure function of what is on disk. An invocation skips f
 With `--budget-s` it starts no run when less than `--min-start-s` remain, and `--grace-s` before
 the end it sends SIGTERM to the runs still going: they save their step and exit (a child still
 busy after the grace is killed; it resumes from its previous checkpoint). Then it writes
-results.json / results.md (tools/repro_report.py). Run the same command again to continue;
-`tools/repro_state.py` packs what a later invocation on another machine needs.
+results.json / results.md and every run's training curve, trajectories.json
+(tools/repro_report.py). Run the same command again to continue; `tools/repro_state.py` packs
+what a later invocation on another machine needs.
 """
 
 from __future__ import annotations
@@ -236,6 +237,10 @@ def report(args, out: pathlib.Path) -> dict:
                  pending=[s.name for s in plan(args, records) if not is_finished(out, s)])
   (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
   (out / "results.md").write_text(repro_report.markdown(payload, device))
+  runs = sorted(path for path in (out / repro_report.RUNS_DIR).glob("*") if path.is_dir())
+  curves = {"what": repro_report.TRAJECTORY_FIELDS,
+            "runs": {path.name: repro_report.trajectory(path) for path in runs}}
+  (out / "trajectories.json").write_text(json.dumps(curves) + "\n")
   return payload
 
 

@@ -31,22 +31,58 @@ LTE_MODELS = ("lalte",) + capacity.WARMUP_MODELS + ("lalte_bounded",)
 PLATEAU_MARGIN = 0.3
 
 
+TRAJECTORY_EVERY = 1000  # steps between the rows of a run's trajectory
+SWITCH_SPAN = (100, 3000)  # every logged step from 100 before to 3000 after a router warm-up's end
+TRAJECTORY_FIELDS = (f"training curves from each run's metrics.jsonl: every {TRAJECTORY_EVERY}"
+                     f" steps, every logged step from {SWITCH_SPAN[0]} before to {SWITCH_SPAN[1]}"
+                     " after the end of a router warm-up, and the last; ce_loss, lte_retained"
+                     " (tokens with score > 0 per LTE layer and KV head, batch mean, router"
+                     " dropout on), lte_lambda")
+
+
+def _metric_rows(run_dir: pathlib.Path) -> list[dict]:
+  """The training records (those with ce_loss) of a run's metrics.jsonl; [] when it is absent."""
+  path = run_dir / "metrics.jsonl"
+  if not path.is_file():
+    return []
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  return [r for r in rows if "ce_loss" in r]
+
+
+def trajectory(run_dir: pathlib.Path) -> list[dict]:
+  """A run's training curve from its metrics.jsonl: the records at every TRAJECTORY_EVERY steps,
+  at every logged step of SWITCH_SPAN around the end of its router warm-up (if it has one) and
+  the last, each as {step, ce_loss, lte_retained, lte_lambda} ([] for models without LTE)."""
+  rows = _metric_rows(run_dir)
+  if not rows or not (run_dir / "run.json").is_file():
+    return []
+  spec = json.loads((run_dir / "run.json").read_text())
+  freeze = capacity.study_config(
+      capacity.RunSpec(spec["model"], spec["lr"], spec["seed"], spec["pairs"], spec["steps"]),
+      smoke=spec.get("smoke", False)).lte_routing_freeze_steps
+  near_switch = (lambda step: freeze - SWITCH_SPAN[0] <= step <= freeze + SWITCH_SPAN[1]
+                 if 0 < freeze < spec["steps"] else False)
+  kept = [r for r in rows if r["step"] % TRAJECTORY_EVERY == 0 or near_switch(r["step"])]
+  if kept[-1:] != rows[-1:]:
+    kept.append(rows[-1])
+  return [{"step": r["step"], "ce_loss": round(r["ce_loss"], 4),
+           "lte_retained": r.get("lte_retained", []), "lte_lambda": r.get("lte_lambda", [])}
+          for r in kept]
+
+
 def training_milestones(run_dir: pathlib.Path) -> dict:
   """How a run's training went, from its metrics.jsonl and run.json ({} when either is missing):
   `plateau` = ln(number of values), the loss of a uniform guess among them; `left_plateau_step`
   = the first logged step with ce_loss < plateau - PLATEAU_MARGIN (None: never); the lowest and
   final ce_loss; `max_lambda` = the largest sparsity weight of any LTE layer and head (None for
   models without one)."""
-  metrics_path, spec_path = run_dir / "metrics.jsonl", run_dir / "run.json"
-  if not metrics_path.is_file() or not spec_path.is_file():
+  spec_path = run_dir / "run.json"
+  rows = _metric_rows(run_dir)
+  if not rows or not spec_path.is_file():
     return {}
   spec = json.loads(spec_path.read_text())
   vocab = capacity.model_overrides(spec["model"], smoke=spec.get("smoke", False))["vocab_size"]
   plateau = math.log(vocab // 2)  # MQARSource: values are the upper half of the vocabulary
-  rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-  rows = [r for r in rows if "ce_loss" in r]
-  if not rows:
-    return {}
   left = next((r["step"] for r in rows if r["ce_loss"] < plateau - PLATEAU_MARGIN), None)
   lambdas = [v for r in rows for layer in r.get("lte_lambda") or () for v in layer]
   return {"plateau": plateau, "left_plateau_step": left,

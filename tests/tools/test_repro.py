@@ -155,6 +155,28 @@ def test_warmup_checks_read_the_first_seeds_probes():
       == "missing"
 
 
+def test_trajectory_keeps_every_thousandth_step_the_switch_and_the_last(tmp_path):
+  report = load_tool("repro_report")
+  run = tmp_path / "lalte_warmup_p96_lr0.0005_s0"
+  run.mkdir()
+  (run / "run.json").write_text(json.dumps({"model": "lalte_warmup", "lr": 5e-4, "seed": 0,
+                                            "pairs": 96, "steps": 48000, "smoke": False}))
+  steps = range(50, 30001, 50)  # logged every 50 steps; the warm-up ends at step 24000
+  (run / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": k, "ce_loss": 1 / k, "lte_retained": [[k, 0]], "lte_lambda": [[0, 0]]})
+      + "\n" for k in steps) + json.dumps({"step": 30000, "eval_loss": 1.0}) + "\n")
+  rows = report.trajectory(run)
+  kept = [r["step"] for r in rows]
+  switch = [k for k in steps if 23900 <= k <= 27000]
+  assert kept == sorted({k for k in steps if k % 1000 == 0} | set(switch) | {30000})
+  assert rows[0] == {"step": 1000, "ce_loss": 0.001, "lte_retained": [[1000, 0]],
+                     "lte_lambda": [[0, 0]]}
+  (run / "run.json").write_text(json.dumps({"model": "gdn_attn", "lr": 5e-4, "seed": 0,
+                                            "pairs": 96, "steps": 48000, "smoke": False}))
+  assert [r["step"] for r in report.trajectory(run)] == [k for k in steps if k % 1000 == 0]
+  assert report.trajectory(tmp_path / "absent") == []
+
+
 def _random_file(path: pathlib.Path, size: int) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_bytes(np.random.default_rng(len(str(path))).bytes(size))
