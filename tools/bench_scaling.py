@@ -43,7 +43,8 @@ The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype i
 `--deterministic` adds XLA's `--xla_gpu_deterministic_ops=true` to every child (deterministic
 scatters, autotuning off, so that both modes pick the same kernels), to rule out those sources of
 a multi != single difference on GPUs (on 4 GPUs in bf16 it did not remove the difference:
-docs/benchmarks.md, section 6.1). The step-time breakdown (compute against
+docs/benchmarks.md, section 6.1); `--xla-flag FLAG` (repeatable) adds any XLA flag to every
+child. Each case records the flags it ran with (`xla_flags`). The step-time breakdown (compute against
 collectives) is `tools/bench_train.py --profile` on the same GPUs (`collective_exposed_ms`: the
 time a collective runs with no other kernel beside it).
 
@@ -79,7 +80,7 @@ xla_flags.apply_workarounds()  # children inherit the environment
 
 from bench_train import table_cell  # pylint: disable=wrong-import-position
 from trainer_runs import (  # pylint: disable=wrong-import-position  # tools/trainer_runs.py
-    ProcessGroups, mesh_settings, read_records, run_trainer, visible_gpus)
+    DETERMINISTIC_FLAGS, ProcessGroups, mesh_settings, read_records, run_trainer, visible_gpus)
 
 
 DEFAULT_PRESETS = "lalte-0.4b,gdn_swa-0.4b,lalte-1.4b"
@@ -112,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="split the batch only (data) or also the parameters and moments (fsdp)")
   parser.add_argument("--deterministic", action="store_true",
                       help="XLA's deterministic GPU ops in every child (module doc)")
+  parser.add_argument("--xla-flag", dest="xla_flags", action="append", default=[],
+                      metavar="FLAG", help="an XLA flag for every child, e.g."
+                      " --xla-flag=--xla_gpu_autotune_level=0 (repeatable)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                       help="more trainer settings for every case (repeatable)")
@@ -159,6 +163,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if args.reshard and any(args.reshard_from % n for n in args.reshard_to):
     parser.error(f"--reshard-to counts {args.reshard_to} must divide --reshard-from="
                  f"{args.reshard_from} (the global batch splits over the processes)")
+  bad = [flag for flag in args.xla_flags if not flag.startswith("--xla_")]
+  if bad:
+    parser.error(f"--xla-flag takes XLA flags such as --xla_gpu_autotune_level=0, got {bad}")
+  args.xla_flags = tuple(args.xla_flags) + (DETERMINISTIC_FLAGS if args.deterministic else ())
   return args
 
 
@@ -311,7 +319,8 @@ def run_case(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   case = {"preset": preset, "mode": mode, "gpus": gpus, "batch_per_gpu": args.batch_per_gpu,
           "seq_len": args.seq_len, "global_batch": args.batch_per_gpu * gpus,
           "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype, "remat": args.remat,
-          "mesh": args.mesh, "deterministic": args.deterministic}
+          "mesh": args.mesh, "deterministic": args.deterministic,
+          "xla_flags": list(args.xla_flags)}
   timeout_s = budget.timeout_s(preset)
   if timeout_s is None:
     return {**case, "status": "skipped", "error": f"{budget.left_s():.0f} s left, a case of"
@@ -322,7 +331,7 @@ def run_case(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
                               seq_len=args.seq_len, steps=args.steps, run_dir=run_dir)
   run = run_trainer(groups, run_dir, settings, processes=gpus if mode == "multi" else 1,
                     devices=devices[:gpus], timeout_s=timeout_s, platform=args.platform,
-                    deterministic=args.deterministic)
+                    extra_xla_flags=args.xla_flags)
   budget.record(preset, run["wall_s"])
   tokens_per_step = case["global_batch"] * args.seq_len
   case.update(run, **step_metrics(read_records(run_dir), args.warmup, tokens_per_step, gpus))
@@ -344,6 +353,7 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   global_batch = args.batch_per_gpu * args.reshard_from
   result = {"preset": preset, "checkpoint_step": k, "steps_after": m, "seq_len": seq_len,
             "dtype": args.reshard_dtype, "mesh": args.mesh, "deterministic": args.deterministic,
+            "xla_flags": list(args.xla_flags),
             "global_batch": global_batch, "from_processes": args.reshard_from,
             "tolerance": args.reshard_tolerance, "runs": []}
   out = pathlib.Path(args.out) / f"reshard_{preset}"
@@ -362,7 +372,7 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
                  f"model_dtype={args.reshard_dtype}"]
     outcome = run_trainer(groups, run_dir, settings, processes=processes,
                           devices=devices[:gpus], timeout_s=timeout_s, platform=args.platform,
-                          deterministic=args.deterministic)
+                          extra_xla_flags=args.xla_flags)
     budget.record(f"reshard {preset}", outcome["wall_s"])
     outcome.update(name=name, processes=processes, gpus=gpus,
                    losses={r["step"]: r["loss"] for r in read_records(run_dir)})

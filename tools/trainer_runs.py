@@ -76,8 +76,9 @@ DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",)
 
 
 def child_env(platform: str, devices: list[str], timeout_s: float, *,
-              deterministic: bool = False) -> dict[str, str]:
-  """The environment of one trainer process on `devices` (GPU ids, or CPU devices counted)."""
+              extra_xla_flags: tuple[str, ...] = ()) -> dict[str, str]:
+  """The environment of one trainer process on `devices` (GPU ids, or CPU devices counted), with
+  `extra_xla_flags` added to (or replacing the same flags of) the inherited XLA_FLAGS."""
   env = {name: value for name, value in os.environ.items()
          if name not in distributed.ENV_PROCESS_SETTINGS}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
@@ -90,8 +91,8 @@ def child_env(platform: str, devices: list[str], timeout_s: float, *,
         replace=True)
   else:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-  if deterministic:
-    env["XLA_FLAGS"] = xla_flags.with_flags(env.get("XLA_FLAGS", ""), *DETERMINISTIC_FLAGS,
+  if extra_xla_flags:
+    env["XLA_FLAGS"] = xla_flags.with_flags(env.get("XLA_FLAGS", ""), *extra_xla_flags,
                                             replace=True)
   return env
 
@@ -104,7 +105,7 @@ def mesh_settings(mesh: str, gpus: int) -> list[str]:
 
 def run_trainer(groups: ProcessGroups, run_dir: pathlib.Path, settings: list[str], *,
                 processes: int, devices: list[str], timeout_s: float, platform: str = "gpu",
-                deterministic: bool = False) -> dict:
+                extra_xla_flags: tuple[str, ...] = ()) -> dict:
   """Runs `python -m lalte_jax.train --config tiny_mqar --set ...` as `processes` processes
   sharing `devices` equally (joined on a free localhost port when more than one), logs in
   <run_dir>/process<i>.log; waits for all (a failed one ends the others).
@@ -121,7 +122,7 @@ def run_trainer(groups: ProcessGroups, run_dir: pathlib.Path, settings: list[str
               ["--coordinator_address", f"localhost:{port}", "--num_processes", str(processes),
                "--process_id", str(index)])
     env = child_env(platform, devices[index * per_process:(index + 1) * per_process],
-                    timeout_s, deterministic=deterministic)
+                    timeout_s, extra_xla_flags=extra_xla_flags)
     with open(run_dir / f"process{index}.log", "w", encoding="utf-8") as log:
       procs.append(groups.start(command + joined, env=env, cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT))

@@ -77,11 +77,20 @@ def test_mesh_and_determinism_reach_the_children():
   runs = load_tool("trainer_runs")
   assert runs.mesh_settings("data", 4) == ["mesh_data=4", "mesh_fsdp=1"]
   assert runs.mesh_settings("fsdp", 4) == ["mesh_data=1", "mesh_fsdp=4"]
-  env = runs.child_env("gpu", ["0", "1"], 60, deterministic=True)
+  env = runs.child_env("gpu", ["0", "1"], 60, extra_xla_flags=runs.DETERMINISTIC_FLAGS)
   assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
   assert "--xla_gpu_deterministic_ops=true" in env["XLA_FLAGS"].split()
   assert "--xla_gpu_deterministic_ops" not in runs.child_env("gpu", ["0"], 60).get(
       "XLA_FLAGS", "")
+  bench = load_tool("bench_scaling")
+  args = bench.parse_args(["--presets", "a-tiny", "--deterministic",
+                           "--xla-flag=--xla_gpu_autotune_level=0"])
+  assert args.xla_flags == ("--xla_gpu_autotune_level=0", "--xla_gpu_deterministic_ops=true")
+  env = runs.child_env("gpu", ["0"], 60, extra_xla_flags=args.xla_flags)
+  assert {"--xla_gpu_autotune_level=0", "--xla_gpu_deterministic_ops=true"} <= set(
+      env["XLA_FLAGS"].split())
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--presets", "a-tiny", "--xla-flag", "autotune=0"])
   cpu = runs.child_env("cpu", ["0", "1", "2"], 60)
   assert cpu["JAX_PLATFORMS"] == "cpu"
   assert "--xla_force_host_platform_device_count=3" in cpu["XLA_FLAGS"].split()
