@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -101,8 +102,11 @@ class MeshJit:
   model's kernels run per shard (`lalte_jax.sharding.per_shard`) instead of being gathered.
 
   With several processes the first call compiles, then waits until every process has compiled
-  (`distributed.wait_for_all_processes`) before running: the first collective must find the
-  other processes within gloo's fixed 30 s (see lalte_jax/train/distributed.py)."""
+  (`distributed.wait_for_all_processes`), then sums one number per device over the whole mesh
+  before running: the first collective over a set of devices must find the other processes
+  within gloo's fixed 30 s (see lalte_jax/train/distributed.py), and the function's own first
+  collective may come only after a long stretch of compute (the gradient all-reduce after the
+  backward pass), by which time the processes can have drifted apart."""
 
   def __init__(self, fn, mesh: Mesh, **jit_kwargs):
     self.jitted = jax.jit(fn, **jit_kwargs)
@@ -114,9 +118,25 @@ class MeshJit:
     with jax.set_mesh(self.mesh):
       if not self._compiled_everywhere and jax.process_count() > 1:
         self.jitted.lower(*args).compile()  # the call below reuses this executable
+        meet = _whole_mesh_sum(self.mesh)
         distributed.wait_for_all_processes(f"compiled {self.name}")
+        jax.block_until_ready(meet())
       self._compiled_everywhere = True
       return self.jitted(*args)
+
+
+def _whole_mesh_sum(mesh: Mesh):
+  """A compiled function that sums one number per device of `mesh` across all of them: run
+  right after a barrier, it sets up the collectives of the whole device set while every process
+  is there."""
+  one_per_device = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  ones = jax.jit(lambda: jnp.ones(mesh.devices.size, jnp.float32),
+                 out_shardings=one_per_device)
+  total = jax.jit(jnp.sum, out_shardings=replicated(mesh))
+  ones_compiled = ones.lower().compile()
+  total_compiled = total.lower(jax.ShapeDtypeStruct((mesh.devices.size,), jnp.float32,
+                                                    sharding=one_per_device)).compile()
+  return lambda: total_compiled(ones_compiled())
 
   def lower(self, *args):
     with jax.set_mesh(self.mesh):
