@@ -124,6 +124,10 @@ class MeshJit:
       self._compiled_everywhere = True
       return self.jitted(*args)
 
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
 
 def _whole_mesh_sum(mesh: Mesh):
   """A compiled function that sums one number per device of `mesh` across all of them: run
@@ -137,10 +141,6 @@ def _whole_mesh_sum(mesh: Mesh):
   total_compiled = total.lower(jax.ShapeDtypeStruct((mesh.devices.size,), jnp.float32,
                                                     sharding=one_per_device)).compile()
   return lambda: total_compiled(ones_compiled())
-
-  def lower(self, *args):
-    with jax.set_mesh(self.mesh):
-      return self.jitted.lower(*args)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
