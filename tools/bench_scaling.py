@@ -44,9 +44,9 @@ The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype i
 scatters, autotuning off, so that both modes pick the same kernels), to rule out those sources of
 a multi != single difference on GPUs (on 4 GPUs in bf16 it did not remove the difference:
 docs/benchmarks.md, section 6.1); `--xla-flag FLAG` (repeatable) adds any XLA flag to every
-child. Each case records the flags it ran with (`xla_flags`). The step-time breakdown (compute against
-collectives) is `tools/bench_train.py --profile` on the same GPUs (`collective_exposed_ms`: the
-time a collective runs with no other kernel beside it).
+child. Each case records the flags it ran with (`xla_flags`). The step-time breakdown (compute
+against collectives) is `tools/bench_train.py --profile` on the same GPUs
+(`collective_exposed_ms`: the time a collective runs with no other kernel beside it).
 
 Budget: with `--budget-s`, a case starts only when the longest case of its preset so far (of any
 preset before the first one finishes) fits in what is left, and every case is stopped at the

@@ -191,7 +191,8 @@ case "$stage" in
               --param-dtype bfloat16)
       step 100 python3 tools/bench_decode.py "${common[@]}" --json "$dest/decode_b$batch.json"
       step 100 python3 tools/bench_decode.py "${common[@]}" \
-        --compiler-option xla_gpu_graph_min_graph_size=5 --json "$dest/decode_b${batch}_graphs5.json"
+        --compiler-option xla_gpu_graph_min_graph_size=5 \
+        --json "$dest/decode_b${batch}_graphs5.json"
       step 100 python3 tools/bench_decode.py "${common[@]}" \
         --compiler-option xla_gpu_enable_dot_strength_reduction=false \
         --json "$dest/decode_b${batch}_no_dot_strength_reduction.json"
@@ -204,9 +205,9 @@ case "$stage" in
     # The trainer over 1, 2 and 4 GPUs on the data mesh (N processes and one process, 4 sequences
     # of 4096 per GPU, lalte-0.4b, gdn_swa-0.4b, lalte-1.4b as far as SCALING_S seconds reach; the
     # tool skips what cannot finish and writes its JSON after every case; SCALING_ARGS adds
-    # arguments), a bf16 lalte-1.4b FSDP
-    # checkpoint of 4 processes resumed by 2 and by 1 process on the same GPUs (float32 steps
-    # take minutes to compile), then the Pallas kernels inside shard_map (lalte_jax/sharding.py).
+    # arguments), a bf16 lalte-1.4b FSDP checkpoint of 4 processes resumed by 2 and by 1 process
+    # on the same GPUs (float32 steps take minutes to compile), then the Pallas kernels inside
+    # shard_map (lalte_jax/sharding.py).
     scaling_s=${SCALING_S:-480}
     if ((budget_s > 0)); then
       left=$((budget_s - ($(date +%s) - start) - 30))

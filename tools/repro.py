@@ -111,8 +111,8 @@ def is_finished(out: pathlib.Path, spec: capacity.RunSpec) -> bool:
   schedule."""
   directory = run_dir(out, spec)
   stored = []
-  if (directory / repro_run.RUN_FILE).is_file():
-    stored.append(repro_run.read_spec(directory)[0])
+  if (directory / repro_report.RUN_FILE).is_file():
+    stored.append(repro_report.read_spec(directory)[0])
   records_path = directory / repro_run.RECORDS_FILE
   if records_path.is_file():
     record = json.loads(records_path.read_text())

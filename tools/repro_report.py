@@ -23,7 +23,7 @@ import statistics
 
 from lalte_jax.configs.repro import capacity
 
-RUNS_DIR = "runs"
+RUNS_DIR, RUN_FILE = "runs", "run.json"
 LTE_MODELS = ("lalte",) + capacity.WARMUP_MODELS + ("lalte_bounded",)
 
 
@@ -40,6 +40,13 @@ TRAJECTORY_FIELDS = (f"training curves from each run's metrics.jsonl: every {TRA
                      " dropout on), lte_lambda")
 
 
+def read_spec(run_dir: pathlib.Path) -> tuple[capacity.RunSpec, bool]:
+  """(the RunSpec, smoke) stored in `run_dir/run.json` (tools/repro_run.py writes it)."""
+  data = json.loads((run_dir / RUN_FILE).read_text())
+  smoke = bool(data.pop("smoke", False))
+  return capacity.RunSpec(**data), smoke
+
+
 def _metric_rows(run_dir: pathlib.Path) -> list[dict]:
   """The training records (those with ce_loss) of a run's metrics.jsonl; [] when it is absent."""
   path = run_dir / "metrics.jsonl"
@@ -54,14 +61,12 @@ def trajectory(run_dir: pathlib.Path) -> list[dict]:
   at every logged step of SWITCH_SPAN around the end of its router warm-up (if it has one) and
   the last, each as {step, ce_loss, lte_retained, lte_lambda} ([] for models without LTE)."""
   rows = _metric_rows(run_dir)
-  if not rows or not (run_dir / "run.json").is_file():
+  if not rows or not (run_dir / RUN_FILE).is_file():
     return []
-  spec = json.loads((run_dir / "run.json").read_text())
-  freeze = capacity.study_config(
-      capacity.RunSpec(spec["model"], spec["lr"], spec["seed"], spec["pairs"], spec["steps"]),
-      smoke=spec.get("smoke", False)).lte_routing_freeze_steps
+  spec, smoke = read_spec(run_dir)
+  freeze = capacity.study_config(spec, smoke=smoke).lte_routing_freeze_steps
   near_switch = (lambda step: freeze - SWITCH_SPAN[0] <= step <= freeze + SWITCH_SPAN[1]
-                 if 0 < freeze < spec["steps"] else False)
+                 if 0 < freeze < spec.steps else False)
   kept = [r for r in rows if r["step"] % TRAJECTORY_EVERY == 0 or near_switch(r["step"])]
   if kept[-1:] != rows[-1:]:
     kept.append(rows[-1])
@@ -76,12 +81,11 @@ def training_milestones(run_dir: pathlib.Path) -> dict:
   = the first logged step with ce_loss < plateau - PLATEAU_MARGIN (None: never); the lowest and
   final ce_loss; `max_lambda` = the largest sparsity weight of any LTE layer and head (None for
   models without one)."""
-  spec_path = run_dir / "run.json"
   rows = _metric_rows(run_dir)
-  if not rows or not spec_path.is_file():
+  if not rows or not (run_dir / RUN_FILE).is_file():
     return {}
-  spec = json.loads(spec_path.read_text())
-  vocab = capacity.model_overrides(spec["model"], smoke=spec.get("smoke", False))["vocab_size"]
+  spec, smoke = read_spec(run_dir)
+  vocab = capacity.model_overrides(spec.model, smoke=smoke)["vocab_size"]
   plateau = math.log(vocab // 2)  # MQARSource: values are the upper half of the vocabulary
   left = next((r["step"] for r in rows if r["ce_loss"] < plateau - PLATEAU_MARGIN), None)
   lambdas = [v for r in rows for layer in r.get("lte_lambda") or () for v in layer]

@@ -46,14 +46,9 @@ from lalte_jax.model import count_parameters  # pylint: disable=wrong-import-pos
 from lalte_jax.train.checkpointing import RunCheckpoints  # pylint: disable=wrong-import-position
 from lalte_jax.train.trainer import Trainer  # pylint: disable=wrong-import-position
 
-RUN_FILE, RECORDS_FILE = "run.json", "records.json"
+from repro_report import RUN_FILE, read_spec  # pylint: disable=wrong-import-position  # tools/
 
-
-def read_spec(run_dir: pathlib.Path) -> tuple[capacity.RunSpec, bool]:
-  """(the RunSpec, smoke) stored in `run_dir/run.json`."""
-  data = json.loads((run_dir / RUN_FILE).read_text())
-  smoke = bool(data.pop("smoke", False))
-  return capacity.RunSpec(**data), smoke
+RECORDS_FILE = "records.json"
 
 
 def write_spec(run_dir: pathlib.Path, spec: capacity.RunSpec, smoke: bool) -> None:

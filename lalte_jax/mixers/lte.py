@@ -89,6 +89,9 @@ class LTEAttention(nnx.Module):
     q_BTHD, k_BTKD, v_BTKD = self.proj.qkv(x_BTD)
     score_BTK = self.router(k_BTKD, v_BTKD, dropout_key=dropout_key)
     v_BTKD = straight_through_scores(v_BTKD, score_BTK)
+    kept_BTK = selected_tokens(score_BTK)
+    if keep_every_token is not False:  # a Python False adds nothing to the training step
+      kept_BTK = kept_BTK | keep_every_token
     positions_BT = default_positions(*x_BTD.shape[:2])
     q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
     k_BTKD = apply_rope(k_BTKD, positions_BT, lte.rope_theta)
@@ -96,7 +99,7 @@ class LTEAttention(nnx.Module):
         lambda q, k, v, kept: masked_attention(q, k, v, window_size=lte.window_keys,
                                                num_sinks=lte.num_sinks, kept_BSK=kept,
                                                implementation=lte.implementation),
-        q_BTHD, k_BTKD, v_BTKD, selected_tokens(score_BTK) | keep_every_token)
+        q_BTHD, k_BTKD, v_BTKD, kept_BTK)
     return self.proj.output(o_BTHD), score_BTK
 
   def prefill(self, x_BTD: jax.Array, cache: LTECache, ctx: StepContext

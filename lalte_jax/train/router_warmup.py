@@ -18,9 +18,9 @@ scores untouched), so each token's score receives the straight-through gradient 
 reads, the long-range ones included, and the router and its inputs are updated with the rest of
 the model; the controller is held as above, so no sparsity loss acts. Why: a frozen router
 starts routing at step N + 1 with the scores of its initialisation applied to keys and values
-trained for N steps, and in the capacity study (docs/results.md, "Results at 48,000 steps") that evicted
-nearly every token of one KV head within 50 steps, in every run; tokens evicted then never came
-back, because an evicted token is read only inside the window.
+trained for N steps, and in the capacity study (docs/results.md, "Results at 48,000 steps")
+that evicted nearly every token of one KV head within 50 steps, in every run; tokens evicted
+then never came back, because an evicted token is read only inside the window.
 """
 
 from __future__ import annotations

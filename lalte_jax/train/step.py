@@ -144,7 +144,7 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
     model = nnx.merge(graphdef, params)
     # The head runs inside the loss, chunk by chunk when chunk_tokens > 0: no [B, T, V] logits.
     hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True,
-                            keep_every_token=jnp.logical_and(frozen, router_learns))
+                            keep_every_token=frozen if router_learns else False)
     with jax.named_scope("cross_entropy_loss"):  # names its ops in profiles (step_profile.py)
       ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
                                          chunk_tokens)
