@@ -70,6 +70,11 @@ def retention_count(score_BTK: jax.Array, margin: int) -> jax.Array:
   return jnp.sum(score_BTK[:, :length - margin] > 0, axis=1).astype(jnp.float32)
 
 
+# Folded into the layer's dropout key for the reveal draw: a stream apart from the router's
+# per-conv-layer dropout keys, which are split from the same key.
+_REVEAL_STREAM = 1
+
+
 class LTEAttention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -80,18 +85,27 @@ class LTEAttention(nnx.Module):
     self.router = LTERouter(lte, rngs=rngs)
 
   def __call__(self, x_BTD: jax.Array, *, dropout_key: jax.Array | None = None,
-               keep_every_token: jax.Array | bool = False) -> tuple[jax.Array, jax.Array]:
-    """Returns (output [B,T,hidden], score [B,T,Hkv] float32). `keep_every_token` (a traced or
-    Python bool) makes every token visible while the scores keep their values and gradients, so
-    the straight-through gradient reaches every token's score (a learning router warm-up,
-    lalte_jax/train/router_warmup.py)."""
+               reveal_probability: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [B,T,hidden], score [B,T,Hkv] float32).
+
+    `reveal_probability` (a traced or Python scalar in [0, 1], training only: it draws from
+    `dropout_key`) makes each token that the router evicts visible to every query anyway, with
+    that probability, independently per row, token and KV head; the scores keep their values and
+    gradients, so the straight-through gradient reaches the scores of revealed tokens through
+    their long-range reads (the learning router warm-up, lalte_jax/train/router_warmup.py).
+    At 1 every token is visible."""
     lte = self.config
     q_BTHD, k_BTKD, v_BTKD = self.proj.qkv(x_BTD)
     score_BTK = self.router(k_BTKD, v_BTKD, dropout_key=dropout_key)
     v_BTKD = straight_through_scores(v_BTKD, score_BTK)
     kept_BTK = selected_tokens(score_BTK)
-    if keep_every_token is not False:  # a Python False adds nothing to the training step
-      kept_BTK = kept_BTK | keep_every_token
+    # A Python 0 adds nothing to the training step.
+    if not (isinstance(reveal_probability, (int, float)) and reveal_probability == 0):
+      if dropout_key is None:
+        raise ValueError("LTEAttention: reveal_probability needs a dropout_key (training only)")
+      draw_BTK = jax.random.uniform(jax.random.fold_in(dropout_key, _REVEAL_STREAM),
+                                    score_BTK.shape)
+      kept_BTK = kept_BTK | (draw_BTK < reveal_probability)
     positions_BT = default_positions(*x_BTD.shape[:2])
     q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
     k_BTKD = apply_rope(k_BTKD, positions_BT, lte.rope_theta)

@@ -13,7 +13,7 @@ With `TrainConfig.lte_routing_freeze_steps = N`, during the first N optimizer st
 The same override evaluates a model with its router off (`keep_every_token(params, True)`).
 
 With `TrainConfig.lte_routing_freeze_learns` the router learns during those N steps instead:
-the model is called with `keep_every_token=True` (every token visible to every query, the
+the model is called with `reveal_probability=1` (every token visible to every query, the
 scores untouched), so each token's score receives the straight-through gradient of all its
 reads, the long-range ones included, and the router and its inputs are updated with the rest of
 the model; the controller is held as above, so no sparsity loss acts. Why: a frozen router
@@ -21,6 +21,15 @@ starts routing at step N + 1 with the scores of its initialisation applied to ke
 trained for N steps, and in the capacity study (docs/results.md, "Results at 48,000 steps")
 that evicted nearly every token of one KV head within 50 steps, in every run; tokens evicted
 then never came back, because an evicted token is read only inside the window.
+
+With `lte_routing_freeze_anneal` as well, the model is called with `reveal_probability` falling
+linearly from 1 at step 1 to 1/N at step N (`reveal_probability` below): each token the router
+evicts is visible with that probability, drawn anew per step, row, token and KV head, so a
+queried value with a low score still has long-range reads (and their gradient) now and then,
+while the model learns to depend on the router's selection step by step. Why: in the study,
+the learning warm-up ended with recall resting on tokens the routers scored below 0; the
+switch hid them all at once, the loss jumped from 0.005 to 9.3 within 50 steps, the gradient
+of a head whose output is noise drives its scores down, and two of three runs never recovered.
 """
 
 from __future__ import annotations
@@ -65,3 +74,13 @@ def hold_routers(new_tree, old_tree, active: jax.Array | bool):
   def select(path, new, old):
     return jnp.where(active, old, new) if is_router_parameter(path) else new
   return jax.tree_util.tree_map_with_path(select, new_tree, old_tree)
+
+
+def reveal_probability(step: jax.Array, freeze_steps: int, anneal: bool) -> jax.Array:
+  """The `reveal_probability` of the model call at optimizer step `step` (0-based): during a
+  learning warm-up of `freeze_steps` steps 1, or with `anneal` 1 - step / freeze_steps; after
+  it 0 (the router's selection alone)."""
+  if not freeze_steps:
+    return jnp.float32(0.0)
+  during = (1.0 - step.astype(jnp.float32) / freeze_steps) if anneal else jnp.float32(1.0)
+  return jnp.where(step < freeze_steps, during, jnp.float32(0.0))

@@ -276,19 +276,21 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   bounds = {m: capacity.study_config(capacity.RunSpec(m, 1e-3, 0)).lte_lambda_max
             for m in capacity.ALL_MODELS}
   assert bounds.pop("lalte_bounded") == bounds.pop("lalte_warmup_bounded") \
-      == bounds.pop("lalte_warmup_learn") == capacity.BOUNDED_LAMBDA_MAX < 1.0
+      == bounds.pop("lalte_warmup_learn") == bounds.pop("lalte_warmup_anneal") \
+      == capacity.BOUNDED_LAMBDA_MAX < 1.0
   assert set(bounds.values()) == {1.0}
   assert models["lalte_bounded"] == models["lalte_warmup_bounded"] == models["lalte"] \
-      == models["lalte_warmup_learn"]
-  for model in ("lalte_warmup_bounded", "lalte_warmup_learn"):
+      == models["lalte_warmup_learn"] == models["lalte_warmup_anneal"]
+  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal"):
     config = capacity.study_config(capacity.RunSpec(model, 5e-4, 0))
     assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps
-    assert config.lte_routing_freeze_learns == (model == "lalte_warmup_learn")
+    assert config.lte_routing_freeze_learns == (model != "lalte_warmup_bounded")
+    assert config.lte_routing_freeze_anneal == (model == "lalte_warmup_anneal")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model",
-                         ["gdn_swa", "lansa", "lalte_router_off", "lalte_warmup_learn"])
+                         ["gdn_swa", "lansa", "lalte_router_off", "lalte_warmup_anneal"])
 def test_study_settings_train_and_checkpoint_a_few_steps(tmp_path, model):
   from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
   from lalte_jax.train import checkpointing  # pylint: disable=import-outside-toplevel

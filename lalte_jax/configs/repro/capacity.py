@@ -21,6 +21,10 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   (`lte_routing_freeze_learns`: every token still visible, the straight-through gradient on):
   with a frozen router, one KV head of every warm-up run lost nearly all its tokens within 50
   steps of the switch, and never got them back (docs/results.md);
+  `lalte_warmup_anneal`: `lalte_warmup_learn` with a gradual switch (`lte_routing_freeze_anneal`:
+  an evicted token stays visible with a probability falling from 1 to 0 over the warm-up): at
+  the abrupt switch of `lalte_warmup_learn` the loss jumped from ~0 to ~9 in every seed, and
+  two of three lost most of their recall for good (docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
@@ -60,7 +64,7 @@ from lalte_jax.data.synthetic import MQARSource
 from lalte_jax.train.config import TrainConfig
 
 MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lalte_warmup_bounded",
-          "lalte_warmup_learn", "lansa")
+          "lalte_warmup_learn", "lalte_warmup_anneal", "lansa")
 ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
 CHECKS = (ROUTER_OFF,)
 ALL_MODELS = MODELS + CHECKS
@@ -125,10 +129,12 @@ _MIXER = {
     "lalte": ("lalte", "lte", {"window": 63, "cap": 128}),
     "lansa": ("lansa", "nsa", {"window_size": 64, "block_size": 16, "block_count": 8}),
 }
-# A router warm-up of FULL's steps; lambda <= BOUNDED_LAMBDA_MAX; a router that learns during it.
-WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded", "lalte_warmup_learn")
-BOUNDED_MODELS = ("lalte_bounded", "lalte_warmup_bounded", "lalte_warmup_learn")
-LEARNING_WARMUP_MODELS = ("lalte_warmup_learn",)
+# A router warm-up of FULL's steps; lambda <= BOUNDED_LAMBDA_MAX; a router that learns during it;
+# evicted tokens revealed with a probability falling to 0 over it.
+ANNEALED_WARMUP_MODELS = ("lalte_warmup_anneal",)
+LEARNING_WARMUP_MODELS = ("lalte_warmup_learn",) + ANNEALED_WARMUP_MODELS
+WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
+BOUNDED_MODELS = ("lalte_bounded", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
 _MIXER.update({name: _MIXER["lalte"] for name in WARMUP_MODELS + BOUNDED_MODELS + (ROUTER_OFF,)})
 _SMOKE_SHARED = {"hidden_size": 32, "vocab_size": 128, "intermediate_size": 64,
                  "gdn.num_heads": 4, "gdn.head_dim": 8}
@@ -186,6 +192,7 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
       warmup_steps=min(scale.warmup_steps, steps - 1), lr=spec.lr, lr_min_ratio=0.1,
       lte_update_every=scale.lte_update_every, lte_routing_freeze_steps=freeze,
       lte_routing_freeze_learns=spec.model in LEARNING_WARMUP_MODELS and freeze > 0,
+      lte_routing_freeze_anneal=spec.model in ANNEALED_WARMUP_MODELS and freeze > 0,
       lte_lambda_max=(BOUNDED_LAMBDA_MAX if spec.model in BOUNDED_MODELS
                       else TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",

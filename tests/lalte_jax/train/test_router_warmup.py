@@ -62,7 +62,7 @@ def test_every_token_kept_is_causal_attention_and_retains_every_position():
 
 
 @pytest.mark.slow
-def test_keep_every_token_call_sees_every_token_and_passes_the_router_gradient():
+def test_revealing_every_token_sees_every_token_and_passes_the_router_gradient():
   """The learning warm-up's forward: causal attention over every token, the scores untouched,
   and a straight-through gradient that reaches the router (the bias override passes none)."""
   seq_len = 40
@@ -70,29 +70,79 @@ def test_keep_every_token_call_sees_every_token_and_passes_the_router_gradient()
   full_window = config.replace(lte=dataclasses.replace(config.lte, window=seq_len - 1))
   model, reference = (HybridLM(c, rngs=nnx.Rngs(0)) for c in (config, full_window))
   tokens = jax.random.randint(jax.random.key(1), (2, seq_len), 1, config.vocab_size)
-  logits, aux = model(tokens, keep_every_token=jnp.asarray(True), return_aux=True)
+  key = jax.random.key(3)
+  logits, aux = model(tokens, dropout_key=key, reveal_probability=jnp.float32(1.0),
+                      return_aux=True)
+  # With every token visible the router's dropout changes no output.
   np.testing.assert_allclose(logits, reference(tokens), rtol=2e-5, atol=2e-5)
-  plain_logits, plain = model(tokens, return_aux=True)
+  plain_logits, plain = model(tokens, dropout_key=key, return_aux=True)
   # The first LTE layer's scores are untouched (later layers read changed inputs).
-  np.testing.assert_array_equal(aux.lte_scores[0], plain.lte_scores[0])
+  np.testing.assert_allclose(aux.lte_scores[0], plain.lte_scores[0], rtol=1e-5, atol=1e-6)
   assert (np.asarray(plain.lte_scores) <= 0).any()  # some tokens would be evicted
   assert not np.allclose(plain_logits, logits, atol=1e-4)
   graphdef, params = nnx.split(model, nnx.Param)
   weights = jax.random.normal(jax.random.key(2), logits.shape)
 
-  def router_gradients(state, learn):
-    loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(tokens, keep_every_token=learn)
-                                 * weights)
+  def router_gradients(state, reveal):
+    loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(
+        tokens, dropout_key=key, reveal_probability=reveal) * weights)
     grads = jax.grad(loss)(state)
     return [np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
             if router_warmup.is_router_parameter(path)]
 
   pure = nnx.to_pure_dict(params)  # the train state's form, which the override expects
-  learning = router_gradients(pure, jnp.asarray(True))
-  frozen = router_gradients(router_warmup.keep_every_token(pure, True), jnp.asarray(False))
+  learning = router_gradients(pure, jnp.float32(1.0))
+  frozen = router_gradients(router_warmup.keep_every_token(pure, True), jnp.float32(0.0))
   assert learning and all(np.isfinite(g).all() for g in learning)
   assert any(np.abs(g).max() > 0 for g in learning)
   assert all((g == 0).all() for g in frozen)
+  with pytest.raises(ValueError, match="reveal_probability needs a dropout_key"):
+    model(tokens, reveal_probability=1.0)
+
+
+def test_a_revealed_token_is_visible_with_the_given_probability(monkeypatch):
+  """Each evicted token is revealed independently per row, token and KV head, with the given
+  probability; kept tokens stay kept; 0 reveals nothing, 1 everything."""
+  from lalte_jax.mixers import lte  # pylint: disable=import-outside-toplevel
+  seq_len, batch = 64, 4
+  config = get_model_config("lalte-tiny").replace(dtype="float32", init_std=0.2)
+  layer = lte.LTEAttention(config, rngs=nnx.Rngs(0))
+  kept_masks = []
+
+  def attention_spy(q_BTHD, k, v, *, kept_BSK, **kwargs):
+    del k, v, kwargs
+    kept_masks.append(np.asarray(kept_BSK))
+    return jnp.zeros_like(q_BTHD)
+
+  monkeypatch.setattr(lte, "masked_attention", attention_spy)
+  x = jax.random.normal(jax.random.key(1), (batch, seq_len, config.hidden_size))
+  key = jax.random.key(5)
+  _, score_BTK = layer(x, dropout_key=key)
+  for probability in (0.25, jnp.float32(0.25), 1.0):
+    layer(x, dropout_key=key, reveal_probability=probability)
+  none, quarter, traced_quarter, every = kept_masks
+  selected = np.asarray(score_BTK) > 0
+  np.testing.assert_array_equal(none, selected)
+  assert every.all()
+  np.testing.assert_array_equal(quarter, traced_quarter)  # the same draw, traced or not
+  assert quarter[selected].all()
+  evicted = ~selected
+  assert evicted.sum() > 100, evicted.sum()
+  assert 0.15 < quarter[evicted].mean() < 0.35, quarter[evicted].mean()
+  # Drawn per row and per KV head: the revealed sets differ between them.
+  assert (quarter[0] != quarter[1]).any() and (quarter[..., 0] != quarter[..., 1]).any()
+
+
+def test_reveal_probability_falls_to_zero_over_an_annealed_warmup():
+  steps = jnp.arange(6)
+  annealed = router_warmup.reveal_probability(steps, 4, anneal=True)
+  np.testing.assert_allclose(annealed, [1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+  np.testing.assert_array_equal(router_warmup.reveal_probability(steps, 4, anneal=False),
+                                [1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(router_warmup.reveal_probability(steps, 0, anneal=True), 0)
+  with pytest.raises(ValueError, match="lte_routing_freeze_anneal"):
+    TrainConfig(variant="lalte", size="tiny", steps=4, lte_routing_freeze_steps=2,
+                lte_routing_freeze_anneal=True)
 
 
 @pytest.mark.slow
