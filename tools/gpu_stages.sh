@@ -29,8 +29,8 @@
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
-#   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K) with
-#              XLA option variants of the step (~8 min)
+#   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
+#              and with XLA's default CUDA-graph size (~4 min)
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
@@ -183,9 +183,10 @@ case "$stage" in
       --ours "$dest/train_ours.json" --json "$dest/train_fla.json"
     ;;
   decode)
-    # Ours (generate.DECODE_COMPILER_OPTIONS: every kernel run a CUDA graph), XLA's default
-    # minimum graph size (5), and without dot strength reduction, which turns a one-row
-    # projection into a multiply that writes W * x and a reduction that reads it back.
+    # Ours (generate.DECODE_COMPILER_OPTIONS: every kernel run a CUDA graph) and XLA's default
+    # minimum graph size (5). (XLA's dot strength reduction, which turns a one-row projection
+    # into a multiply and a reduction, has no switch in jax 0.11.2's XLA: neither a compile
+    # option nor an XLA_FLAGS flag of that name exists.)
     for batch in 32 1; do
       common=(--presets lalte-1.4b gdn_swa-1.4b --contexts 4096 --batch "$batch"
               --param-dtype bfloat16)
@@ -193,9 +194,6 @@ case "$stage" in
       step 100 python3 tools/bench_decode.py "${common[@]}" \
         --compiler-option xla_gpu_graph_min_graph_size=5 \
         --json "$dest/decode_b${batch}_graphs5.json"
-      step 100 python3 tools/bench_decode.py "${common[@]}" \
-        --compiler-option xla_gpu_enable_dot_strength_reduction=false \
-        --json "$dest/decode_b${batch}_no_dot_strength_reduction.json"
     done
     ;;
   flaprefill)
