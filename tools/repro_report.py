@@ -311,18 +311,20 @@ def markdown(payload: dict, device: str) -> str:
                   [[c["check"], c["status"], c["detail"]] for c in payload["checks"]])
   runs = _table(
       ["run", "select capped", "select uncapped", "test capped", "test uncapped",
-       "availability (test, capped)", "left plateau at step", "min / final CE", "max lambda",
-       "train s", "step s"],
+       "availability (test, capped)", "availability with successor (test, capped)",
+       "left plateau at step", "min / final CE", "max lambda", "train s", "step s"],
       [[r["name"], _accuracy(r["select"], "capped_accuracy"),
         _accuracy(r["select"], "uncapped_accuracy"), _accuracy(r["test"], "capped_accuracy"),
         _accuracy(r["test"], "uncapped_accuracy"), _accuracy(r["test"], "availability_capped"),
+        _accuracy(r["test"], "availability_with_successor_capped"),
         *_milestone_cells(r.get("milestones") or {}), r["train"]["train_s"],
         _seconds(r["train"].get("step_time_s"))] for r in payload["runs"]])
   probes = _table(
-      ["run", "step", "dCE/dscore values", "dCE/dscore fillers", "retained values",
-       "retained fillers"],
-      [[r["name"], step, _round(p["dscore_value"]), _round(p["dscore_filler"]),
-        _round(p["retained_value"]), _round(p["retained_filler"])]
+      ["run", "step", "dCE/dscore values", "dCE/dscore successors", "dCE/dscore fillers",
+       "retained values", "retained successors", "retained fillers"],
+      [[r["name"], step, _round(p["dscore_value"]), _round(p.get("dscore_successor")),
+        _round(p["dscore_filler"]), _round(p["retained_value"]),
+        _round(p.get("retained_successor")), _round(p["retained_filler"])]
        for r in payload["runs"] for step, p in sorted(r.get("probes", {}).items(),
                                                       key=lambda item: int(item[0]))])
   chosen = ", ".join(f"{m} {lr:g}" for m, lr in payload["chosen_lr"].items()) or "none yet"
@@ -352,4 +354,6 @@ def _seconds(value) -> str:
 
 
 def _round(rows) -> str:
+  if rows is None:  # a record from before the quantity was measured
+    return "–"
   return json.dumps([[float(f"{v:.3g}") for v in row] for row in rows])

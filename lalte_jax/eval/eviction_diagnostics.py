@@ -13,10 +13,15 @@ LTE layers, measures the kept sets behind both scores:
   queried value tokens and of the filler tokens (neither a pair nor a query), uncapped (score > 0)
   and capped (in the cache's kept set);
 - kept count per sequence (out-of-window candidates with score > 0) per (layer, head): its mean
-  and maximum over the sequences, against the cap's free slots (cap - sinks).
+  and maximum over the sequences, against the cap's free slots (cap - sinks);
+- the same availability and retention for each queried value's successor (the token right after
+  it: the next pair's key, or the first token after the pairs). The GDN layer below the LTE layer
+  mixes each token into the next ones through its short convolution, so the successor's key and
+  value can carry the pair, and a model may recall through it; "availability with successor"
+  counts a query whose value or successor is visible.
 `score_gradients` gives dCE/dscore at every (LTE layer, token, KV head): the straight-through
-signal the router learns from (§4.3); `gradient_summary` averages it over the queried values and
-the fillers. `router_off_model` returns a model whose LTE layers keep every token.
+signal the router learns from (§4.3); `gradient_summary` averages it over the queried values,
+their successors and the fillers. `router_off_model` returns a model whose LTE layers keep every token.
 
 The capped kept set is computed from the router's scores of the training-time forward with the
 cache's own compaction op (`pallas_kernels.lte_cache_ops.compact_top_scores`, as
@@ -94,6 +99,13 @@ def _roles(source: MQARSource, indices) -> tuple[np.ndarray, np.ndarray, np.ndar
           np.stack([r["filler"] for r in roles]))
 
 
+def _marked(shape: tuple, position_NP: np.ndarray) -> np.ndarray:
+  """bool [N, T] of `shape`, True at each row's positions `position_NP` [N, P]."""
+  marked_NT = np.zeros(shape, bool)
+  marked_NT[np.arange(len(position_NP))[:, None], position_NP] = True
+  return marked_NT
+
+
 def kept_set_statistics(score_LNTK: np.ndarray, kept_capped_LNTK: np.ndarray,
                         query_NP: np.ndarray, value_NP: np.ndarray, filler_NT: np.ndarray, *,
                         window_keys: int, cap: int, num_sinks: int) -> dict:
@@ -103,26 +115,29 @@ def kept_set_statistics(score_LNTK: np.ndarray, kept_capped_LNTK: np.ndarray,
   kept_uncapped_LNTK = (score_LNTK > 0) | sink_T[None, None, :, None]
   candidate_T = _candidates(length, window_keys, num_sinks)
   rows_N1 = np.arange(len(value_NP))[:, None]
-  in_window_NP = query_NP - value_NP < window_keys
+  successor_NP = value_NP + 1
 
-  def available(kept_LNTK):  # [L, N, P, K]: the value is visible to its query through head k
-    return in_window_NP[None, :, :, None] | kept_LNTK[:, rows_N1, value_NP]
+  def visible(kept_LNTK, position_NP):  # [L, N, P, K]: seen by the query through head k
+    in_window_NP = query_NP - position_NP < window_keys
+    return in_window_NP[None, :, :, None] | kept_LNTK[:, rows_N1, position_NP]
 
   def retention(kept_LNTK, mask_NT):  # [L, K]: kept share of the masked candidates
     mask_NT = mask_NT & candidate_T[None]
     return (kept_LNTK & mask_NT[None, :, :, None]).sum((1, 2)) / max(int(mask_NT.sum()), 1)
 
-  value_NT = np.zeros(filler_NT.shape, bool)
-  value_NT[rows_N1, value_NP] = True
+  value_NT, successor_NT = _marked(filler_NT.shape, value_NP), _marked(filler_NT.shape, successor_NP)
   count_LNK = ((score_LNTK > 0) & candidate_T[None, None, :, None]).sum(2)
   result = {"window_keys": window_keys, "cap": cap, "free_slots": cap - num_sinks,
             "num_candidates": int(candidate_T.sum())}
   for name, kept in (("capped", kept_capped_LNTK), ("uncapped", kept_uncapped_LNTK)):
-    avail_LNPK = available(kept)
+    avail_LNPK = visible(kept, value_NP)
     result[f"availability_{name}"] = 100.0 * float(avail_LNPK.any(-1).mean())
     result[f"availability_{name}_head"] = (100.0 * avail_LNPK.mean((1, 2))).tolist()
+    either_LNPK = avail_LNPK | visible(kept, successor_NP)
+    result[f"availability_with_successor_{name}"] = 100.0 * float(either_LNPK.any(-1).mean())
     suffix = "" if name == "uncapped" else "_capped"
     result[f"value_retention{suffix}"] = retention(kept, value_NT).tolist()
+    result[f"successor_retention{suffix}"] = retention(kept, successor_NT).tolist()
     result[f"filler_retention{suffix}"] = retention(kept, filler_NT).tolist()
   result["kept_count_mean"] = count_LNK.mean(1).tolist()
   result["kept_count_max"] = count_LNK.max(1).tolist()
@@ -218,25 +233,26 @@ def score_gradients(model, tokens_BT, labels_BT) -> np.ndarray:
 
 
 def gradient_summary(model, source: MQARSource, indices) -> dict:
-  """Mean dCE/dscore per (LTE layer, KV head) over the queried value tokens and over the filler
-  tokens (out-of-window candidates only) of the examples `indices` of `source`, with the
-  retention (score > 0) of both."""
+  """Mean dCE/dscore per (LTE layer, KV head) over the queried value tokens, their successors
+  and the filler tokens (out-of-window candidates only) of the examples `indices` of `source`,
+  with the retention (score > 0) of each."""
   tokens_NT, labels_NT = recall.stacked_examples(source, indices)
   grad_LNTK = score_gradients(model, tokens_NT, labels_NT)
   _, score_LNTK = uncapped_forward(model, tokens_NT)
   _, value_NP, filler_NT = _roles(source, indices)
-  value_NT = np.zeros(filler_NT.shape, bool)
-  value_NT[np.arange(len(indices))[:, None], value_NP] = True
   lte = model.config.lte
   candidate_T = _candidates(tokens_NT.shape[1], lte.window_keys, lte.num_sinks)
-  value_NT &= candidate_T[None]
+  value_NT = _marked(filler_NT.shape, value_NP) & candidate_T[None]
+  successor_NT = _marked(filler_NT.shape, value_NP + 1) & candidate_T[None]
   filler_NT = filler_NT & candidate_T[None]
 
   def mean(x_LNTK, mask_NT):
     return (x_LNTK * mask_NT[None, :, :, None]).sum((1, 2)) / max(int(mask_NT.sum()), 1)
 
   return {"dscore_value": mean(grad_LNTK, value_NT).tolist(),
+          "dscore_successor": mean(grad_LNTK, successor_NT).tolist(),
           "dscore_filler": mean(grad_LNTK, filler_NT).tolist(),
           "retained_value": mean(score_LNTK > 0, value_NT).tolist(),
+          "retained_successor": mean(score_LNTK > 0, successor_NT).tolist(),
           "retained_filler": mean(score_LNTK > 0, filler_NT).tolist(),
           "num_sequences": len(indices)}

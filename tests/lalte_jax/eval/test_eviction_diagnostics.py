@@ -59,10 +59,25 @@ def test_kept_set_statistics_on_a_hand_made_case():
   # keeps 7 (capped too).
   assert stats["filler_retention"] == [[approx(2 / 6), approx(1 / 6)]]
   assert stats["filler_retention_capped"] == [[approx(1 / 6), approx(1 / 6)]]
+  # Successors 3 and 5 (the second pair's key, a filler): head 0 keeps 5, capped too; head 1
+  # neither. Query 9 (value 2) is seen through head 0's kept value; query 11 (value 4) through
+  # head 1's kept value and head 0's kept successor; sequence 2's through nothing.
+  assert stats["successor_retention"] == [[approx(1 / 4), approx(0.0)]]
+  assert stats["successor_retention_capped"] == [[approx(1 / 4), approx(0.0)]]
+  assert stats["availability_with_successor_capped"] == approx(50.0)
+  assert stats["availability_with_successor_uncapped"] == approx(50.0)
   # Kept out-of-window candidates per sequence: head 0 keeps 2, 4, 5, 6 and head 1 keeps 4, 7 in
   # sequence 1, nothing in sequence 2.
   assert stats["kept_count_mean"] == [[2.0, 1.0]] and stats["kept_count_max"] == [[4, 2]]
   assert (stats["free_slots"], stats["num_candidates"]) == (CAP - SINKS, 7)
+  # Without head 1's value 4, query 11 is seen through head 0's kept successor 5 alone.
+  score[0, 0, 4, 1] = -0.4
+  kept = diagnostics.capped_kept(score, window_keys=WINDOW, cap=CAP, num_sinks=SINKS)
+  stats = diagnostics.kept_set_statistics(
+      score, kept, QUERY_NP, VALUE_NP, np.stack([FILLER_T, FILLER_T]), window_keys=WINDOW,
+      cap=CAP, num_sinks=SINKS)
+  assert stats["availability_capped"] == approx(25.0)
+  assert stats["availability_with_successor_capped"] == approx(50.0)
 
 
 @pytest.mark.slow
@@ -126,3 +141,17 @@ def test_score_gradients_sum_to_the_router_bias_gradient():
   assert np.abs(grad).max() > 0
   summary = diagnostics.gradient_summary(model, source, range(2))
   assert np.asarray(summary["dscore_value"]).shape == (2, 2)  # [L_lte, Hkv]
+  # The successors' mean: each queried value's next position, out-of-window candidates only.
+  lte = model.config.lte
+  candidate = np.zeros(tokens.shape, bool)
+  candidate[:, lte.num_sinks:tokens.shape[1] - lte.window_keys] = True
+  successor = np.zeros(tokens.shape, bool)
+  for row in range(2):
+    successor[row, source.roles(row)["value"] + 1] = True
+  successor &= candidate
+  assert successor.any()
+  expected = (grad * successor[None, :, :, None]).sum(axis=(1, 2)) / successor.sum()
+  np.testing.assert_allclose(summary["dscore_successor"], expected, rtol=1e-5, atol=1e-12)
+  np.testing.assert_allclose(summary["retained_successor"],
+                             ((score > 0) & successor[None, :, :, None]).sum(axis=(1, 2))
+                             / successor.sum())
