@@ -142,6 +142,16 @@ def decode_step(model, token, cache: ModelCache, *, validate: bool = True
   return _decode_jit(graphdef, state, jnp.asarray(token, jnp.int32), cache)
 
 
+def prefill_fn(model):
+  """`prefill` without its checks or model splitting, for benchmarks: returns
+  `fn(tokens_BT, valid_BT, cache) -> (logits_BV, cache)` (int32 tokens, bool valid, an empty cache,
+  donated); `fn.lower(tokens_BT, valid_BT, cache)` lowers it without running it."""
+  graphdef, state = nnx.split(model)
+  fn = functools.partial(_prefill_jit, graphdef, state, all_logits=False)
+  fn.lower = functools.partial(_prefill_jit.lower, graphdef, state, all_logits=False)
+  return fn
+
+
 def decode_step_fn(model, compiler_options: dict | None = None):
   """`decode_step` without per-call checks or model splitting, for benchmarks and custom loops:
   returns `step(token_B, cache) -> (logits_BV, cache)` (the cache is donated);

@@ -42,9 +42,10 @@ def median_seconds(fn, args, repeats: int, warmup: int = 3) -> float:
   return median_ms(fn, [args], warmup=warmup, repeats=repeats) / 1e3
 
 
-def copy_case():
-  """(Timed jitted elementwise copy of a 1 GiB bf16 array, bytes it reads + writes)."""
-  x = jnp.ones((512, 1024, 1024), jnp.bfloat16)
+def copy_case(mib: int = 1024):
+  """(Timed jitted elementwise copy of a `mib` MiB (default 1 GiB) bf16 array, bytes it reads +
+  writes)."""
+  x = jnp.ones((mib, 512, 1024), jnp.bfloat16)
   copy = jax.jit(lambda x: x + 1)  # `x + 0` could be simplified away by XLA
   return Timed(copy, [(x,)]), 2 * x.size * x.dtype.itemsize
 

@@ -28,6 +28,8 @@
 #   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
+#   serving    prefill and decode of the 1.4b presets against the decode step's bytes bound
+#              (tools/bench_serving.py; SERVING_ARGS selects; ~5 min)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
 #              and with XLA's default CUDA-graph size (~4 min)
@@ -36,7 +38,7 @@
 #              shard (~9 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|decode|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -52,7 +54,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|flaprefill|decode|multigpu) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -195,6 +197,17 @@ case "$stage" in
         --compiler-option xla_gpu_graph_min_graph_size=5 \
         --json "$dest/decode_b${batch}_graphs5.json"
     done
+    ;;
+  serving)
+    # The serving table (tools/bench_serving.py): prefill tokens/s, decode ms per step against
+    # the step's HBM-bytes bound at the copy bandwidth, memory; by default the 1.4b presets of the
+    # decode targets at a 4K prompt, batch 32 and 1. SERVING_ARGS replaces the selection, e.g.
+    # "--presets lalte-1.4b --prompts 65536 --batches 32" or, with --wheels holding FLA's,
+    # "--compare-fla --presets gdn_swa-1.4b gdn-1.4b --batches 32 --prompts 4096".
+    # shellcheck disable=SC2086  # SERVING_ARGS is a list of arguments
+    step 580 python3 tools/bench_serving.py \
+      ${SERVING_ARGS:---presets lalte-1.4b gdn_swa-1.4b gdn-1.4b --batches 32 1 --prompts 4096} \
+      --json "$dest/serving.json"
     ;;
   flaprefill)
     step 600 python3 tools/bench_prefill.py --fla --lengths 4096 --json "$dest/prefill_4k.json"
