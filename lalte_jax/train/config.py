@@ -97,10 +97,13 @@ class TrainConfig:
   # router learns during those N steps from the straight-through gradient of reads that see
   # every token (still every token kept, no sparsity loss). With `lte_routing_freeze_anneal` as
   # well, an evicted token stays visible with a probability that falls linearly from 1 at the
-  # first step to 0 at the end of the warm-up, so the switch to routing comes gradually.
+  # first step to 0 at the end of the warm-up, so the switch to routing comes gradually. With
+  # `lte_router_frozen_after_warmup` the routers stop learning when a learning warm-up ends: the
+  # model then trains on the selection the warm-up learned.
   lte_routing_freeze_steps: int = 0
   lte_routing_freeze_learns: bool = False
   lte_routing_freeze_anneal: bool = False
+  lte_router_frozen_after_warmup: bool = False
   # Parallelism: mesh axis sizes; -1 on `mesh_data` takes all remaining devices.
   mesh_data: int = -1
   mesh_fsdp: int = 1
@@ -168,8 +171,9 @@ class TrainConfig:
              f"must be in [0, steps={self.steps}], got {self.lte_routing_freeze_steps}")
     _require(not self.lte_routing_freeze_learns or self.lte_routing_freeze_steps > 0,
              "lte_routing_freeze_learns", "needs a warm-up (lte_routing_freeze_steps > 0)")
-    _require(not self.lte_routing_freeze_anneal or self.lte_routing_freeze_learns,
-             "lte_routing_freeze_anneal", "needs a learning warm-up (lte_routing_freeze_learns)")
+    for name in ("lte_routing_freeze_anneal", "lte_router_frozen_after_warmup"):
+      _require(not getattr(self, name) or self.lte_routing_freeze_learns, name,
+               "needs a learning warm-up (lte_routing_freeze_learns)")
     _require(self.loss_chunk_tokens >= 0, "loss_chunk_tokens",
              f"must be >= 0 (0 = no chunking), got {self.loss_chunk_tokens!r}")
     _require(self.step_timeout_s >= 0, "step_timeout_s",

@@ -30,6 +30,13 @@ while the model learns to depend on the router's selection step by step. Why: in
 the learning warm-up ended with recall resting on tokens the routers scored below 0; the
 switch hid them all at once, the loss jumped from 0.005 to 9.3 within 50 steps, the gradient
 of a head whose output is noise drives its scores down, and two of three runs never recovered.
+(It did worse: docs/results.md.)
+
+With `lte_router_frozen_after_warmup` instead, the routers learn during the warm-up as above
+and get no update after it (`hold_routers` from step N + 1 on), so the model trains on the
+selection the warm-up learned while the routers' weights stay put. Why: at the end of the
+learning warm-up the routers kept 94-99% of the queried values and few fillers in most heads,
+and the collapse came after the switch, from the routers' own updates; this separates the two.
 """
 
 from __future__ import annotations

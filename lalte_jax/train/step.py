@@ -24,7 +24,8 @@ Router warm-up (`lte_routing_freeze_steps` = N > 0, lalte_jax/train/router_warmu
 `lte_routing_freeze_learns`, the straight-through gradient of reads that see every token, or
 with `lte_routing_freeze_anneal` each evicted token with a probability falling to 0), and
 hold the controller at its initial state; from step N + 1 the controller counts its steps from
-there.
+there (and with `lte_router_frozen_after_warmup` the routers learned during the warm-up get no
+update after it).
 """
 
 from __future__ import annotations
@@ -221,6 +222,9 @@ def make_train_step(graphdef: nnx.GraphDef, model_config: ModelConfig, config: T
       new_params = opt_lib.apply_updates(state.params, updates, lr)
       if freeze_steps and not config.lte_routing_freeze_learns:
         new_params = router_warmup.hold_routers(new_params, state.params, frozen)
+      elif config.lte_router_frozen_after_warmup:
+        new_params = router_warmup.hold_routers(new_params, state.params,
+                                                jnp.logical_not(frozen))
       # Select, never blend: the old leaves come back bit for bit when the step is skipped.
       keep_new = lambda new, old: jnp.where(finite, new, old)
       new_params = jax.tree.map(keep_new, new_params, state.params)

@@ -277,15 +277,18 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
             for m in capacity.ALL_MODELS}
   assert bounds.pop("lalte_bounded") == bounds.pop("lalte_warmup_bounded") \
       == bounds.pop("lalte_warmup_learn") == bounds.pop("lalte_warmup_anneal") \
-      == capacity.BOUNDED_LAMBDA_MAX < 1.0
+      == bounds.pop("lalte_warmup_learn_frozen") == capacity.BOUNDED_LAMBDA_MAX < 1.0
   assert set(bounds.values()) == {1.0}
   assert models["lalte_bounded"] == models["lalte_warmup_bounded"] == models["lalte"] \
-      == models["lalte_warmup_learn"] == models["lalte_warmup_anneal"]
-  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal"):
+      == models["lalte_warmup_learn"] == models["lalte_warmup_anneal"] \
+      == models["lalte_warmup_learn_frozen"]
+  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal",
+                "lalte_warmup_learn_frozen"):
     config = capacity.study_config(capacity.RunSpec(model, 5e-4, 0))
     assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps
     assert config.lte_routing_freeze_learns == (model != "lalte_warmup_bounded")
     assert config.lte_routing_freeze_anneal == (model == "lalte_warmup_anneal")
+    assert config.lte_router_frozen_after_warmup == (model == "lalte_warmup_learn_frozen")
 
 
 @pytest.mark.slow

@@ -25,6 +25,10 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   an evicted token stays visible with a probability falling from 1 to 0 over the warm-up): at
   the abrupt switch of `lalte_warmup_learn` the loss jumped from ~0 to ~9 in every seed, and
   two of three lost most of their recall for good (docs/results.md);
+  `lalte_warmup_learn_frozen`: `lalte_warmup_learn` whose routers stop learning at the end of the
+  warm-up (`lte_router_frozen_after_warmup`): at that point the routers of `lalte_warmup_learn`
+  kept 94-99% of the queried values in 5 of 6 heads, and the collapse that followed came from
+  their updates after the switch (docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
@@ -64,7 +68,7 @@ from lalte_jax.data.synthetic import MQARSource
 from lalte_jax.train.config import TrainConfig
 
 MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lalte_warmup_bounded",
-          "lalte_warmup_learn", "lalte_warmup_anneal", "lansa")
+          "lalte_warmup_learn", "lalte_warmup_anneal", "lalte_warmup_learn_frozen", "lansa")
 ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
 CHECKS = (ROUTER_OFF,)
 ALL_MODELS = MODELS + CHECKS
@@ -130,9 +134,11 @@ _MIXER = {
     "lansa": ("lansa", "nsa", {"window_size": 64, "block_size": 16, "block_count": 8}),
 }
 # A router warm-up of FULL's steps; lambda <= BOUNDED_LAMBDA_MAX; a router that learns during it;
-# evicted tokens revealed with a probability falling to 0 over it.
+# evicted tokens revealed with a probability falling to 0 over it; a router frozen after it.
 ANNEALED_WARMUP_MODELS = ("lalte_warmup_anneal",)
-LEARNING_WARMUP_MODELS = ("lalte_warmup_learn",) + ANNEALED_WARMUP_MODELS
+FROZEN_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_frozen",)
+LEARNING_WARMUP_MODELS = (("lalte_warmup_learn",) + ANNEALED_WARMUP_MODELS
+                          + FROZEN_AFTER_WARMUP_MODELS)
 WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
 BOUNDED_MODELS = ("lalte_bounded", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
 _MIXER.update({name: _MIXER["lalte"] for name in WARMUP_MODELS + BOUNDED_MODELS + (ROUTER_OFF,)})
@@ -193,6 +199,7 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
       lte_update_every=scale.lte_update_every, lte_routing_freeze_steps=freeze,
       lte_routing_freeze_learns=spec.model in LEARNING_WARMUP_MODELS and freeze > 0,
       lte_routing_freeze_anneal=spec.model in ANNEALED_WARMUP_MODELS and freeze > 0,
+      lte_router_frozen_after_warmup=spec.model in FROZEN_AFTER_WARMUP_MODELS and freeze > 0,
       lte_lambda_max=(BOUNDED_LAMBDA_MAX if spec.model in BOUNDED_MODELS
                       else TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",

@@ -169,6 +169,31 @@ def test_learning_warmup_trains_the_router_and_holds_the_controller(tmp_path):
 
 
 @pytest.mark.slow
+def test_routers_learned_in_the_warmup_are_frozen_after_it(tmp_path):
+  freeze = 2
+  config = TrainConfig(variant="lalte", size="tiny", model_dtype="float32", data="mqar",
+                       seq_len=32, mqar_num_kv_pairs=2, global_batch_size=2, steps=4,
+                       warmup_steps=1, lr=1e-2, lte_update_every=2,
+                       lte_routing_freeze_steps=freeze, lte_routing_freeze_learns=True,
+                       lte_router_frozen_after_warmup=True, output_dir=str(tmp_path),
+                       tensorboard=False, progress_bar=False)
+  trainer = Trainer(config)
+  snapshots = [_leaves(trainer.state.params)]
+  for _ in range(config.steps):
+    trainer.train_step(next(trainer.data_iterator))
+    snapshots.append(_leaves(trainer.state.params))
+  router = [n for n, (path, _) in snapshots[0].items() if router_warmup.is_router_parameter(path)]
+  others = [n for n in snapshots[0] if n not in router]
+  changed = lambda before, after, names: any((before[n][1] != after[n][1]).any() for n in names)
+  assert router and changed(snapshots[0], snapshots[freeze], router)  # learned in the warm-up
+  for before, after in zip(snapshots[freeze:], snapshots[freeze + 1:]):
+    assert not changed(before, after, router)  # frozen after it
+    assert changed(before, after, others)
+  with pytest.raises(ValueError, match="lte_router_frozen_after_warmup"):
+    dataclasses.replace(config, lte_routing_freeze_learns=False)
+
+
+@pytest.mark.slow
 def test_warmup_freezes_the_router_and_restarts_the_controller(tmp_path):
   # An odd warm-up with u = 2: counted from the start, lambda would move at step 4; counted
   # from the end of the warm-up, it moves at step 5.
