@@ -21,7 +21,8 @@ LTE layers, measures the kept sets behind both scores:
   counts a query whose value or successor is visible.
 `score_gradients` gives dCE/dscore at every (LTE layer, token, KV head): the straight-through
 signal the router learns from (§4.3); `gradient_summary` averages it over the queried values,
-their successors and the fillers. `router_off_model` returns a model whose LTE layers keep every token.
+their successors and the fillers. `router_off_model` returns a model whose LTE layers keep
+every token.
 
 The capped kept set is computed from the router's scores of the training-time forward with the
 cache's own compaction op (`pallas_kernels.lte_cache_ops.compact_top_scores`, as
@@ -125,7 +126,8 @@ def kept_set_statistics(score_LNTK: np.ndarray, kept_capped_LNTK: np.ndarray,
     mask_NT = mask_NT & candidate_T[None]
     return (kept_LNTK & mask_NT[None, :, :, None]).sum((1, 2)) / max(int(mask_NT.sum()), 1)
 
-  value_NT, successor_NT = _marked(filler_NT.shape, value_NP), _marked(filler_NT.shape, successor_NP)
+  value_NT = _marked(filler_NT.shape, value_NP)
+  successor_NT = _marked(filler_NT.shape, successor_NP)
   count_LNK = ((score_LNTK > 0) & candidate_T[None, None, :, None]).sum(2)
   result = {"window_keys": window_keys, "cap": cap, "free_slots": cap - num_sinks,
             "num_candidates": int(candidate_T.sum())}

@@ -27,10 +27,9 @@ linearly from 1 at step 1 to 1/N at step N (`reveal_probability` below): each to
 evicts is visible with that probability, drawn anew per step, row, token and KV head, so a
 queried value with a low score still has long-range reads (and their gradient) now and then,
 while the model learns to depend on the router's selection step by step. Why: in the study,
-the learning warm-up ended with recall resting on tokens the routers scored below 0; the
-switch hid them all at once, the loss jumped from 0.005 to 9.3 within 50 steps, the gradient
-of a head whose output is noise drives its scores down, and two of three runs never recovered.
-(It did worse: docs/results.md.)
+at the abrupt switch of the learning warm-up the loss jumped from 0.005 to 9.3 within 50 steps,
+the gradient of a head whose output is noise drives its scores down, and two of three runs
+never recovered. (The gradual switch did worse: docs/results.md.)
 
 With `lte_router_frozen_after_warmup` instead, the routers learn during the warm-up as above
 and get no update after it (`hold_routers` from step N + 1 on), so the model trains on the
