@@ -12,7 +12,10 @@ main-table rows and every run's records) it draws
   of fillers per LTE layer and KV head (score > 0 among the out-of-window candidates);
 - `lte_controller.png`: the sparsity weight lambda and the retention count c of every LTE layer
   and head over training for each LTE model (seed 0 at its lr), with the cap b;
-- `training_loss.png`: each model's training loss against the step (seed 0 at its lr).
+- `training_loss.png`: each model's training loss against the step (seed 0 at its lr);
+- `router_switch.png`: for each model with a router warm-up, every seed's training loss (top)
+  and kept tokens per KV head (bottom) from 100 steps before to 3000 after the end of the
+  warm-up (from trajectories.json).
 From a results directory of `python -m lalte_jax.eval` (records with lengths) it draws
 `accuracy_vs_length.png`; with `--kernel-bench FILE` (the `--json` output of
 tools/bench_attention.py) `kernel_speed_vs_length.png`: time of each attention kernel against
@@ -248,6 +251,62 @@ def plot_training_loss(losses: dict[str, list[tuple[int, float]]],
   return _save(figure, plt, path)
 
 
+def plot_router_switch(switches: dict[str, list[tuple[int, list[dict]]]],
+                       path: pathlib.Path) -> pathlib.Path:
+  """Training loss (top) and kept tokens per (LTE layer, KV head) (bottom) against the steps since
+  the end of the router warm-up, one column per model of `switches` ({model: [(seed, trajectory
+  rows with a "since_switch" step)]}), one colour per seed, one line style per head."""
+  plt = _pyplot()
+  switches = {model: runs for model, runs in switches.items() if runs}
+  if not switches:
+    raise ValueError("trajectories: no run with a router warm-up")
+  figure, axes = plt.subplots(2, len(switches), figsize=(4.5 * len(switches), 6), sharex=True,
+                              squeeze=False)
+  styles = ("-", "--", ":", "-.")
+  for column, (model, runs) in enumerate(switches.items()):
+    top, bottom = axes[0][column], axes[1][column]
+    for index, (seed, rows) in enumerate(sorted(runs)):
+      colour = f"C{index}"
+      steps = [r["since_switch"] for r in rows]
+      top.plot(steps, [r["ce_loss"] for r in rows], color=colour, label=f"seed {seed}")
+      kept = [[count for layer in r["lte_retained"] for count in layer] for r in rows]
+      for head in range(len(kept[0]) if kept else 0):
+        bottom.plot(steps, [k[head] for k in kept], color=colour,
+                    linestyle=styles[head % len(styles)],
+                    label=f"seed {seed} head {head}")
+    top.set_title(model, fontsize=9)
+    top.set_ylabel("training CE")
+    bottom.set_ylabel("kept tokens per sequence")
+    bottom.set_xlabel("steps since the end of the warm-up")
+    top.legend(fontsize="x-small")
+    bottom.legend(fontsize="xx-small", ncol=2)
+    for axis in (top, bottom):
+      axis.axvline(0, color="k", linewidth=0.8)
+      axis.grid(alpha=0.3)
+  return _save(figure, plt, path)
+
+
+def router_switches(results: dict, trajectories: dict) -> dict[str, list[tuple[int, list]]]:
+  """{model: [(seed, rows)]} for every run of a warm-up model in `trajectories` (its rows from
+  SWITCH_SPAN[0] before to SWITCH_SPAN[1] after its warm-up's end, with "since_switch")."""
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  from repro_report import SWITCH_SPAN  # pylint: disable=import-outside-toplevel
+  switches = {}
+  for record in results["runs"]:
+    rows = trajectories.get(record["name"])
+    if record["model"] not in capacity.WARMUP_MODELS or not rows:
+      continue
+    spec = capacity.RunSpec(record["model"], record["lr"], record["seed"],
+                            pairs=record["pairs"], steps=record["steps"])
+    freeze = capacity.study_config(spec, smoke=record.get("smoke", False)
+                                   ).lte_routing_freeze_steps
+    near = [dict(r, since_switch=r["step"] - freeze) for r in rows
+            if -SWITCH_SPAN[0] <= r["step"] - freeze <= SWITCH_SPAN[1]]
+    if near:
+      switches.setdefault(record["model"], []).append((record["seed"], near))
+  return switches
+
+
 def plot_study(results: dict, results_dir: pathlib.Path, out: pathlib.Path) -> list:
   """Every figure of the capacity study whose inputs exist (skipped ones are named on stderr)."""
   written = []
@@ -274,6 +333,15 @@ def plot_study(results: dict, results_dir: pathlib.Path, out: pathlib.Path) -> l
     written.append(plot_training_loss(losses, out / "training_loss.png"))
   else:
     print("skipped training_loss: no run's metrics.jsonl", file=sys.stderr)
+  trajectories_path = results_dir / "trajectories.json"
+  try:
+    if not trajectories_path.is_file():
+      raise ValueError(f"{trajectories_path} does not exist")
+    trajectories = json.loads(trajectories_path.read_text())["runs"]
+    written.append(plot_router_switch(router_switches(results, trajectories),
+                                      out / "router_switch.png"))
+  except ValueError as error:
+    print(f"skipped router_switch: {error}", file=sys.stderr)
   return written
 
 

@@ -248,7 +248,13 @@ def test_smoke_study_resumes_a_partly_trained_run_then_skips_it(tmp_path, capsys
   written = load_tool("plot_results").main(["--results", str(tmp_path)])
   assert sorted(p.name for p in written) == [
       "accuracy_by_model.png", "availability.png", "lte_controller.png", "retention_heatmap.png",
-      "training_loss.png"]
+      "router_switch.png", "training_loss.png"]
+  # The switch figure's rows: every logged step, counted from the end of the 2-step warm-up.
+  plot_results = load_tool("plot_results")
+  trajectories = json.loads((tmp_path / "trajectories.json").read_text())["runs"]
+  switches = plot_results.router_switches(payload, trajectories)
+  assert [seed for seed, _ in switches["lalte_warmup"]] == [0]
+  assert [r["since_switch"] for r in switches["lalte_warmup"][0][1]] == [-1, 0, 1, 2]
   assert all(p.stat().st_size > 1000 for p in written)
 
 
