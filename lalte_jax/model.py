@@ -32,7 +32,7 @@ from lalte_jax.layers.mlp import SwiGLU
 from lalte_jax.layers.norms import RMSNorm
 from lalte_jax.mixers.attention import Attention
 from lalte_jax.mixers.gdn import GatedDeltaNet
-from lalte_jax.mixers.lte import LTEAttention, retention_count
+from lalte_jax.mixers.lte import LTEAttention, RoutingControls, retention_count
 from lalte_jax.mixers.nsa import NativeSparseAttention
 
 MIXERS = {"gdn": GatedDeltaNet, "attention": Attention, "lte": LTEAttention,
@@ -71,12 +71,12 @@ class Block(nnx.Module):
     return h_BTD, extra
 
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
-               reveal_probability: jax.Array | float = 0.0
+               routing: RoutingControls | None = None
                ) -> tuple[jax.Array, jax.Array | None]:
     """Returns the new residual stream and, for LTE blocks, the router scores [B, T, Hkv]."""
     if self.mixer_kind == "lte":
       return self._residual(h_BTD, lambda x: self.mixer(
-          x, dropout_key=dropout_key, reveal_probability=reveal_probability))
+          x, dropout_key=dropout_key, routing=routing))
     return self._residual(h_BTD, lambda x: (self.mixer(x), None))
 
   def step(self, h_BTD: jax.Array, cache, ctx: StepContext, mode: str):
@@ -99,14 +99,14 @@ class LayerGroup(nnx.Module):
     self.blocks = nnx.List([Block(config, kind, rngs=rngs) for kind in kinds])
 
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
-               reveal_probability: jax.Array | float = 0.0
+               routing: RoutingControls | None = None
                ) -> tuple[jax.Array, jax.Array | None]:
     """Returns h and the stacked LTE scores of this group [L_lte_in_group, B, T, Hkv] (or None)."""
     keys = [None] * len(self.blocks) if dropout_key is None else list(
         jax.random.split(dropout_key, len(self.blocks)))
     scores = []
     for block, key in zip(self.blocks, keys):
-      h_BTD, score_BTK = block(h_BTD, key, reveal_probability)
+      h_BTD, score_BTK = block(h_BTD, key, routing)
       if score_BTK is not None:
         scores.append(score_BTK)
     return h_BTD, jnp.stack(scores) if scores else None
@@ -156,13 +156,13 @@ class HybridLM(nnx.Module):
     return self.config.num_layers // self.config.pattern_period
 
   def _run_groups(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
-                  reveal_probability: jax.Array | float
+                  routing: RoutingControls | None
                   ) -> tuple[jax.Array, jax.Array | None]:
     graphdef, stacked_state = nnx.split(self.groups)
     keys = None if dropout_key is None else jax.random.split(dropout_key, self.num_groups)
 
     def one_group(h, state, key):
-      return nnx.merge(graphdef, state)(h, key, reveal_probability)
+      return nnx.merge(graphdef, state)(h, key, routing)
 
     if self.config.remat == "block":
       one_group = jax.checkpoint(one_group)
@@ -194,20 +194,20 @@ class HybridLM(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None,
-               reveal_probability: jax.Array | float = 0.0, return_aux: bool = False,
+               routing: RoutingControls | None = None, return_aux: bool = False,
                return_hidden: bool = False):
     """Logits [B, T, V] float32, or with `return_hidden` the last group's output [B, T, D] in the
     compute dtype (`logits_from_hidden` of it gives the logits); and `ModelAux` if `return_aux`.
 
     `dropout_key` turns on the only dropout of these models (inside the LTE router, §4.1); leave
-    it None for evaluation. `reveal_probability` (with a `dropout_key`) makes each token an LTE
-    router evicts visible anyway with that probability, 1: every token, while the scores keep
-    their gradients (the learning router warm-up of lalte_jax/train/router_warmup.py).
+    it None for evaluation. `routing` (`lalte_jax.mixers.lte.RoutingControls`) changes how the
+    LTE layers route in training: evicted tokens revealed at random, or no gradient through the
+    scores (the router warm-up variants of lalte_jax/train/router_warmup.py); None: as §4.
     """
     config = self.config
     validate_tokens(tokens_BT, config.vocab_size)
     h_BTD = self.embed(tokens_BT)
-    h_BTD, lte_scores = self._run_groups(h_BTD, dropout_key, reveal_probability)
+    h_BTD, lte_scores = self._run_groups(h_BTD, dropout_key, routing)
     out = h_BTD if return_hidden else self.logits_from_hidden(h_BTD)
     if not return_aux:
       return out

@@ -19,6 +19,7 @@ roped at padded-tensor indices (§5.5).
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -75,6 +76,22 @@ def retention_count(score_BTK: jax.Array, margin: int) -> jax.Array:
 _REVEAL_STREAM = 1
 
 
+@flax.struct.dataclass
+class RoutingControls:
+  """How the LTE layers route in one training step, beyond §4 (the router warm-up variants of
+  lalte_jax/train/router_warmup.py); the defaults are §4 itself. Traced or Python values.
+
+  reveal_probability: each token the router evicts is visible to every query anyway with this
+    probability, drawn per row, token and KV head from the dropout key (1: every token). The
+    scores keep their values and gradients, so revealed tokens' long-range reads reach them.
+  score_gradient: False cuts every gradient through the scores (the straight-through signal and
+    the sparsity loss's), so neither the routers nor, through them, the key and value
+    projections learn from the routing; the selection itself is unchanged.
+  """
+  reveal_probability: jax.Array | float = 0.0
+  score_gradient: jax.Array | bool = True
+
+
 class LTEAttention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -85,27 +102,24 @@ class LTEAttention(nnx.Module):
     self.router = LTERouter(lte, rngs=rngs)
 
   def __call__(self, x_BTD: jax.Array, *, dropout_key: jax.Array | None = None,
-               reveal_probability: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """Returns (output [B,T,hidden], score [B,T,Hkv] float32).
-
-    `reveal_probability` (a traced or Python scalar in [0, 1], training only: it draws from
-    `dropout_key`) makes each token that the router evicts visible to every query anyway, with
-    that probability, independently per row, token and KV head; the scores keep their values and
-    gradients, so the straight-through gradient reaches the scores of revealed tokens through
-    their long-range reads (the learning router warm-up, lalte_jax/train/router_warmup.py).
-    At 1 every token is visible."""
+               routing: RoutingControls | None = None) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [B,T,hidden], score [B,T,Hkv] float32). `routing` changes how the layer
+    routes during training (RoutingControls; None: as §4); revealing needs `dropout_key`."""
     lte = self.config
+    routing = routing or RoutingControls()
     q_BTHD, k_BTKD, v_BTKD = self.proj.qkv(x_BTD)
     score_BTK = self.router(k_BTKD, v_BTKD, dropout_key=dropout_key)
+    if routing.score_gradient is not True:  # a Python True adds nothing to the training step
+      score_BTK = jnp.where(routing.score_gradient, score_BTK, jax.lax.stop_gradient(score_BTK))
     v_BTKD = straight_through_scores(v_BTKD, score_BTK)
     kept_BTK = selected_tokens(score_BTK)
-    # A Python 0 adds nothing to the training step.
-    if not (isinstance(reveal_probability, (int, float)) and reveal_probability == 0):
+    reveal = routing.reveal_probability
+    if not (isinstance(reveal, (int, float)) and reveal == 0):  # likewise a Python 0
       if dropout_key is None:
         raise ValueError("LTEAttention: reveal_probability needs a dropout_key (training only)")
       draw_BTK = jax.random.uniform(jax.random.fold_in(dropout_key, _REVEAL_STREAM),
                                     score_BTK.shape)
-      kept_BTK = kept_BTK | (draw_BTK < reveal_probability)
+      kept_BTK = kept_BTK | (draw_BTK < reveal)
     positions_BT = default_positions(*x_BTD.shape[:2])
     q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
     k_BTKD = apply_rope(k_BTKD, positions_BT, lte.rope_theta)

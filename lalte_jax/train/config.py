@@ -98,8 +98,9 @@ class TrainConfig:
   # every token (still every token kept, no sparsity loss). With `lte_routing_freeze_anneal` as
   # well, an evicted token stays visible with a probability that falls linearly from 1 at the
   # first step to 0 at the end of the warm-up, so the switch to routing comes gradually. With
-  # `lte_router_frozen_after_warmup` the routers stop learning when a learning warm-up ends: the
-  # model then trains on the selection the warm-up learned.
+  # `lte_router_frozen_after_warmup` the routers stop learning when a learning warm-up ends (no
+  # update, no gradient through the scores): the model then trains on the selection function
+  # the warm-up learned.
   lte_routing_freeze_steps: int = 0
   lte_routing_freeze_learns: bool = False
   lte_routing_freeze_anneal: bool = False

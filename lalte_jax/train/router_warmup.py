@@ -13,7 +13,7 @@ With `TrainConfig.lte_routing_freeze_steps = N`, during the first N optimizer st
 The same override evaluates a model with its router off (`keep_every_token(params, True)`).
 
 With `TrainConfig.lte_routing_freeze_learns` the router learns during those N steps instead:
-the model is called with `reveal_probability=1` (every token visible to every query, the
+the model is called with a reveal probability of 1 (every token visible to every query, the
 scores untouched), so each token's score receives the straight-through gradient of all its
 reads, the long-range ones included, and the router and its inputs are updated with the rest of
 the model; the controller is held as above, so no sparsity loss acts. Why: a frozen router
@@ -22,8 +22,8 @@ trained for N steps, and in the capacity study (docs/results.md, "Results at 48,
 that evicted nearly every token of one KV head within 50 steps, in every run; tokens evicted
 then never came back, because an evicted token is read only inside the window.
 
-With `lte_routing_freeze_anneal` as well, the model is called with `reveal_probability` falling
-linearly from 1 at step 1 to 1/N at step N (`reveal_probability` below): each token the router
+With `lte_routing_freeze_anneal` as well, the reveal probability falls linearly from 1 at step 1
+to 1/N at step N (`reveal_probability` below): each token the router
 evicts is visible with that probability, drawn anew per step, row, token and KV head, so a
 queried value with a low score still has long-range reads (and their gradient) now and then,
 while the model learns to depend on the router's selection step by step. Why: in the study,
@@ -32,8 +32,11 @@ the gradient of a head whose output is noise drives its scores down, and two of 
 never recovered. (The gradual switch did worse: docs/results.md.)
 
 With `lte_router_frozen_after_warmup` instead, the routers learn during the warm-up as above
-and get no update after it (`hold_routers` from step N + 1 on), so the model trains on the
-selection the warm-up learned while the routers' weights stay put. Why: at the end of the
+and get no update after it (`hold_routers` from step N + 1 on, weight decay included), and no
+gradient passes through the scores (`RoutingControls.score_gradient`), so neither the routers
+nor, through them, the key and value projections learn from the routing: the model trains on
+the selection function the warm-up learned (its scores still move with the keys and values that
+attention trains). Why: at the end of the
 learning warm-up the routers kept 94-99% of the queried values and few fillers in most heads,
 and the collapse came after the switch, from the routers' own updates; this separates the two.
 """
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from lalte_jax.mixers.lte import RoutingControls
 
 # Added to nothing, replacing the router's output bias: far beyond where sigmoid saturates in
 # float32 (|x| > ~17), and exactly representable in bfloat16 (the logits are computed in the
@@ -83,10 +88,24 @@ def hold_routers(new_tree, old_tree, active: jax.Array | bool):
 
 
 def reveal_probability(step: jax.Array, freeze_steps: int, anneal: bool) -> jax.Array:
-  """The `reveal_probability` of the model call at optimizer step `step` (0-based): during a
-  learning warm-up of `freeze_steps` steps 1, or with `anneal` 1 - step / freeze_steps; after
-  it 0 (the router's selection alone)."""
+  """The reveal probability at optimizer step `step` (0-based) of a learning warm-up of
+  `freeze_steps` steps: during it 1, or with `anneal` 1 - step / freeze_steps; after it 0 (the
+  router's selection alone)."""
   if not freeze_steps:
     return jnp.float32(0.0)
   during = (1.0 - step.astype(jnp.float32) / freeze_steps) if anneal else jnp.float32(1.0)
   return jnp.where(step < freeze_steps, during, jnp.float32(0.0))
+
+
+def routing_controls(step: jax.Array, config) -> RoutingControls | None:
+  """The model's `RoutingControls` at optimizer step `step` (0-based) of a run of `config` (a
+  TrainConfig): None (routing as §4) unless the run has a learning warm-up; then the reveal
+  probability above, and with `lte_router_frozen_after_warmup` no gradient through the scores
+  after the warm-up."""
+  freeze_steps = config.lte_routing_freeze_steps
+  if not (freeze_steps and config.lte_routing_freeze_learns):
+    return None
+  score_gradient = (step < freeze_steps) if config.lte_router_frozen_after_warmup else True
+  return RoutingControls(
+      reveal_probability=reveal_probability(step, freeze_steps, config.lte_routing_freeze_anneal),
+      score_gradient=score_gradient)

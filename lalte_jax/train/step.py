@@ -140,13 +140,13 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
   router_learns = config.lte_routing_freeze_learns
   chunk_tokens = config.loss_chunk_tokens
 
-  def micro_loss(params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen, reveal):
+  def micro_loss(params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen, routing):
     if freeze_steps and not router_learns:  # d(forward)/d(router output bias) is 0 while frozen
       params = router_warmup.keep_every_token(params, frozen)
     model = nnx.merge(graphdef, params)
     # The head runs inside the loss, chunk by chunk when chunk_tokens > 0: no [B, T, V] logits.
     hidden_BTD, aux = model(tokens_BT, dropout_key=key, return_aux=True, return_hidden=True,
-                            reveal_probability=reveal if router_learns else 0.0)
+                            routing=routing)
     with jax.named_scope("cross_entropy_loss"):  # names its ops in profiles (step_profile.py)
       ce_sum = chunked_cross_entropy_sum(model.logits_from_hidden, hidden_BTD, labels_BT,
                                          chunk_tokens)
@@ -168,15 +168,14 @@ def make_gradient_fn(graphdef: nnx.GraphDef, model_config: ModelConfig, config: 
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     micro_keys = jax.random.split(step_key, num_micro)
     frozen = state.step < freeze_steps  # this step (0-based state.step) is a warm-up step
-    reveal = router_warmup.reveal_probability(state.step, freeze_steps,
-                                              config.lte_routing_freeze_anneal)
+    routing = router_warmup.routing_controls(state.step, config)
     lambda_LH = None if ctrl is None else state.controller.lambda_LH
 
     def accumulate(carry, xs):
       grads_acc, ce_acc, sparse_acc, count_acc = carry
       tokens_BT, labels_BT, key = xs
       (_, (ce_sum, sparse, count_LH)), grads = grad_fn(
-          state.params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen, reveal)
+          state.params, tokens_BT, labels_BT, lambda_LH, key, num_scored, frozen, routing)
       grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
       return (grads_acc, ce_acc + ce_sum, sparse_acc + sparse, count_acc + count_LH), None
 

@@ -26,7 +26,8 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   the abrupt switch of `lalte_warmup_learn` the loss jumped from ~0 to ~9 in every seed, and
   two of three lost most of their recall for good (docs/results.md);
   `lalte_warmup_learn_frozen`: `lalte_warmup_learn` whose routers stop learning at the end of the
-  warm-up (`lte_router_frozen_after_warmup`): at that point the routers of `lalte_warmup_learn`
+  warm-up (`lte_router_frozen_after_warmup`: no update and no gradient through the scores from
+  then on): at that point the routers of `lalte_warmup_learn`
   kept 94-99% of the queried values in 5 of 6 heads, and the collapse that followed came from
   their updates after the switch (docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):

@@ -12,6 +12,7 @@ from flax import nnx
 
 from lalte_jax.config import get_model_config
 from lalte_jax.data import MQARSource, curricula
+from lalte_jax.mixers.lte import RoutingControls
 from lalte_jax.model import HybridLM
 from lalte_jax.train import router_warmup
 from lalte_jax.train.config import TrainConfig
@@ -71,8 +72,8 @@ def test_revealing_every_token_sees_every_token_and_passes_the_router_gradient()
   model, reference = (HybridLM(c, rngs=nnx.Rngs(0)) for c in (config, full_window))
   tokens = jax.random.randint(jax.random.key(1), (2, seq_len), 1, config.vocab_size)
   key = jax.random.key(3)
-  logits, aux = model(tokens, dropout_key=key, reveal_probability=jnp.float32(1.0),
-                      return_aux=True)
+  reveal_all = RoutingControls(reveal_probability=jnp.float32(1.0))
+  logits, aux = model(tokens, dropout_key=key, routing=reveal_all, return_aux=True)
   # With every token visible the router's dropout changes no output.
   np.testing.assert_allclose(logits, reference(tokens), rtol=2e-5, atol=2e-5)
   plain_logits, plain = model(tokens, dropout_key=key, return_aux=True)
@@ -83,21 +84,28 @@ def test_revealing_every_token_sees_every_token_and_passes_the_router_gradient()
   graphdef, params = nnx.split(model, nnx.Param)
   weights = jax.random.normal(jax.random.key(2), logits.shape)
 
-  def router_gradients(state, reveal):
+  def router_gradients(state, routing):
     loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(
-        tokens, dropout_key=key, reveal_probability=reveal) * weights)
+        tokens, dropout_key=key, routing=routing) * weights)
     grads = jax.grad(loss)(state)
     return [np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
             if router_warmup.is_router_parameter(path)]
 
   pure = nnx.to_pure_dict(params)  # the train state's form, which the override expects
-  learning = router_gradients(pure, jnp.float32(1.0))
-  frozen = router_gradients(router_warmup.keep_every_token(pure, True), jnp.float32(0.0))
+  learning = router_gradients(pure, reveal_all)
+  frozen = router_gradients(router_warmup.keep_every_token(pure, True), None)
+  # Cutting the scores' gradient leaves the routers none, revealed or not.
+  cut = router_gradients(pure, RoutingControls(reveal_probability=jnp.float32(1.0),
+                                               score_gradient=jnp.asarray(False)))
   assert learning and all(np.isfinite(g).all() for g in learning)
   assert any(np.abs(g).max() > 0 for g in learning)
-  assert all((g == 0).all() for g in frozen)
+  assert all((g == 0).all() for g in frozen) and all((g == 0).all() for g in cut)
+  # The cut changes no output.
+  np.testing.assert_array_equal(
+      model(tokens, dropout_key=key, routing=RoutingControls(score_gradient=False)),
+      model(tokens, dropout_key=key))
   with pytest.raises(ValueError, match="reveal_probability needs a dropout_key"):
-    model(tokens, reveal_probability=1.0)
+    model(tokens, routing=RoutingControls(reveal_probability=1.0))
 
 
 def test_a_revealed_token_is_visible_with_the_given_probability(monkeypatch):
@@ -119,7 +127,7 @@ def test_a_revealed_token_is_visible_with_the_given_probability(monkeypatch):
   key = jax.random.key(5)
   _, score_BTK = layer(x, dropout_key=key)
   for probability in (0.25, jnp.float32(0.25), 1.0):
-    layer(x, dropout_key=key, reveal_probability=probability)
+    layer(x, dropout_key=key, routing=RoutingControls(reveal_probability=probability))
   none, quarter, traced_quarter, every = kept_masks
   selected = np.asarray(score_BTK) > 0
   np.testing.assert_array_equal(none, selected)
@@ -143,6 +151,20 @@ def test_reveal_probability_falls_to_zero_over_an_annealed_warmup():
   with pytest.raises(ValueError, match="lte_routing_freeze_anneal"):
     TrainConfig(variant="lalte", size="tiny", steps=4, lte_routing_freeze_steps=2,
                 lte_routing_freeze_anneal=True)
+
+
+def test_routing_controls_follow_the_warmup_variant():
+  base = TrainConfig(variant="lalte", size="tiny", steps=8, warmup_steps=1,
+                     lte_routing_freeze_steps=4)
+  steps = jnp.arange(6)
+  assert router_warmup.routing_controls(steps, base) is None  # a frozen warm-up: as §4
+  learn = dataclasses.replace(base, lte_routing_freeze_learns=True)
+  controls = router_warmup.routing_controls(steps, learn)
+  np.testing.assert_array_equal(controls.reveal_probability, [1, 1, 1, 1, 0, 0])
+  assert controls.score_gradient is True
+  frozen_after = dataclasses.replace(learn, lte_router_frozen_after_warmup=True)
+  controls = router_warmup.routing_controls(steps, frozen_after)
+  np.testing.assert_array_equal(controls.score_gradient, [True] * 4 + [False] * 2)
 
 
 @pytest.mark.slow
