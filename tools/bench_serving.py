@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from lalte_jax import generate as gen
+from lalte_jax.config import get_model_config
 from lalte_jax.inference import caches
 from lalte_jax.inference.param_dtype import PARAM_DTYPES
 from pallas_kernels.benchmarking import median_ms
@@ -242,8 +243,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--json", default="", help="also write the report here")
   args = parser.parse_args(argv)
   if min(args.batches + args.prompts) < 1 or args.steps < 1 or args.warmup < 0 \
-      or args.prefill_iters < 1:
-    parser.error("--batches, --prompts, --steps, --prefill-iters must be >= 1, --warmup >= 0")
+      or args.prefill_iters < 1 or args.copy_mib < 1:
+    parser.error("--batches, --prompts, --steps, --prefill-iters, --copy-mib must be >= 1,"
+                 " --warmup >= 0")
+  for name in args.presets:
+    try:
+      get_model_config(name)
+    except ValueError as error:
+      parser.error(f"--presets: {error}")
   args.torch = load_fla(parser) if args.compare_fla else None
   return args
 

@@ -1,6 +1,7 @@
 """tools/bench_serving.py: the decode step's HBM bytes from the shapes, and a CPU run of tiny
 presets with --json."""
 
+import importlib.util
 import json
 
 import jax
@@ -90,3 +91,26 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
   assert rows[3]["step_bytes"]["cache"] > rows[2]["step_bytes"]["cache"]
   printed = capsys.readouterr().out
   assert printed.count("| lalte-tiny | 2 |") == 2 and "of bound" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--presets", "lalte-huge"], "--presets: "),
+    (["--batches", "0"], "must be >= 1"),
+    (["--warmup", "-1"], "--warmup >= 0"),
+])
+def test_bad_arguments_name_the_flag(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    load_tool("bench_serving").main(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_compare_fla_without_its_packages_says_what_is_missing(capsys):
+  missing = [name for name in load_tool("fla_models").FLA_PACKAGES
+             if importlib.util.find_spec(name) is None]
+  if not missing:
+    pytest.skip("PyTorch, transformers and FLA are installed here")
+  with pytest.raises(SystemExit) as exit_info:
+    load_tool("bench_serving").main(["--compare-fla", "--presets", "gdn_swa-tiny"])
+  assert exit_info.value.code == 2
+  assert f"not importable here: {', '.join(missing)}" in capsys.readouterr().err
