@@ -84,29 +84,25 @@ DEFAULT_BATCHES = (1, 8, 32, 128)
 DEFAULT_PROMPTS = (4096, 32768)
 
 
-def _nbytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def _layer_cache_bytes(kind: str, config, layer_cache, context: int) -> int:
   """Bytes one decode step moves for one layer's cache (all groups, all rows) after `context`
   tokens: reads, plus the GDN state's write."""
   if isinstance(layer_cache, caches.GDNCache):
-    return _nbytes(layer_cache) + _nbytes(layer_cache.state_BHKV)
+    return caches.cache_bytes(layer_cache) + caches.cache_bytes(layer_cache.state_BHKV)
   if isinstance(layer_cache, caches.NSACache):
     nsa = config.nsa
     slots = layer_cache.k_BSKD.shape[-3]
     read_keys = min(slots, nsa.block_count * nsa.block_size + nsa.window_size)
     blocks = layer_cache.k_cmp_BNKD.shape[-3]
     complete = min(blocks, (context + 1) // nsa.block_size)
-    return ((_nbytes(layer_cache.k_BSKD) + _nbytes(layer_cache.v_BSKD)) * read_keys // slots
-            + (_nbytes(layer_cache.k_cmp_BNKD) + _nbytes(layer_cache.v_cmp_BNKD)) * complete
-            // blocks)
+    keys_and_values = caches.cache_bytes((layer_cache.k_BSKD, layer_cache.v_BSKD))
+    block_means = caches.cache_bytes((layer_cache.k_cmp_BNKD, layer_cache.v_cmp_BNKD))
+    return keys_and_values * read_keys // slots + block_means * complete // blocks
   if isinstance(layer_cache, caches.KVCache) and kind == "attention" \
       and config.attention.window_size is None:  # full attention: the filled slots
     slots = layer_cache.k_BSKD.shape[-3]
-    return _nbytes(layer_cache) * min(slots, context + 1) // slots
-  return _nbytes(layer_cache)  # SWA ring, LTE ring and kept set: read whole
+    return caches.cache_bytes(layer_cache) * min(slots, context + 1) // slots
+  return caches.cache_bytes(layer_cache)  # SWA ring, LTE ring and kept set: read whole
 
 
 def step_bytes(model, cache: caches.ModelCache, batch: int, context: int) -> dict:
@@ -114,10 +110,10 @@ def step_bytes(model, cache: caches.ModelCache, batch: int, context: int) -> dic
   {"weights", "cache", "total"}."""
   config = model.config
   params = nnx.state(model, nnx.Param)
-  weights = _nbytes(params)
+  weights = caches.cache_bytes(params)
   if not config.tie_embeddings:  # the table is only gathered from; untied, the head is separate
     table = model.embed.embedding.get_value()
-    weights += batch * table.shape[-1] * table.dtype.itemsize - _nbytes(table)
+    weights += batch * table.shape[-1] * table.dtype.itemsize - caches.cache_bytes(table)
   kinds = config.layer_pattern[:config.pattern_period]
   cache_moved = sum(_layer_cache_bytes(kind, config, layer, context)
                     for kind, layer in zip(kinds, cache.layers))

@@ -290,18 +290,16 @@ def router_switches(results: dict, trajectories: dict) -> dict[str, list[tuple[i
   """{model: [(seed, rows)]} for every run of a warm-up model in `trajectories` (its rows from
   SWITCH_SPAN[0] before to SWITCH_SPAN[1] after its warm-up's end, with "since_switch")."""
   from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
-  from repro_report import SWITCH_SPAN  # pylint: disable=import-outside-toplevel
+  import repro_report  # pylint: disable=import-outside-toplevel  # tools/repro_report.py
   switches = {}
   for record in results["runs"]:
     rows = trajectories.get(record["name"])
     if record["model"] not in capacity.WARMUP_MODELS or not rows:
       continue
-    spec = capacity.RunSpec(record["model"], record["lr"], record["seed"],
-                            pairs=record["pairs"], steps=record["steps"])
-    freeze = capacity.study_config(spec, smoke=record.get("smoke", False)
-                                   ).lte_routing_freeze_steps
+    freeze = repro_report.warmup_end(repro_report.record_spec(record),
+                                     record.get("smoke", False))
     near = [dict(r, since_switch=r["step"] - freeze) for r in rows
-            if -SWITCH_SPAN[0] <= r["step"] - freeze <= SWITCH_SPAN[1]]
+            if repro_report.near_switch(r["step"], freeze)]
     if near:
       switches.setdefault(record["model"], []).append((record["seed"], near))
   return switches

@@ -116,8 +116,7 @@ def is_finished(out: pathlib.Path, spec: capacity.RunSpec) -> bool:
   records_path = directory / repro_run.RECORDS_FILE
   if records_path.is_file():
     record = json.loads(records_path.read_text())
-    stored.append(capacity.RunSpec(record["model"], record["lr"], record["seed"],
-                                   record["pairs"], record["steps"]))
+    stored.append(repro_report.record_spec(record))
   for other in stored:
     if other != spec:
       raise OtherRunError(f"{directory} holds the run {other}, not the planned {spec}: give this"

@@ -47,6 +47,22 @@ def read_spec(run_dir: pathlib.Path) -> tuple[capacity.RunSpec, bool]:
   return capacity.RunSpec(**data), smoke
 
 
+def record_spec(record: dict) -> capacity.RunSpec:
+  """The RunSpec a run's records.json (or its entry in results.json) describes."""
+  return capacity.RunSpec(record["model"], record["lr"], record["seed"], record["pairs"],
+                          record["steps"])
+
+
+def warmup_end(spec: capacity.RunSpec, smoke: bool) -> int:
+  """The step at which the run's router warm-up ends (0: it has none)."""
+  return capacity.study_config(spec, smoke=smoke).lte_routing_freeze_steps
+
+
+def near_switch(step: int, freeze: int) -> bool:
+  """Whether `step` lies in SWITCH_SPAN around the end `freeze` of a router warm-up."""
+  return freeze - SWITCH_SPAN[0] <= step <= freeze + SWITCH_SPAN[1]
+
+
 def _metric_rows(run_dir: pathlib.Path) -> list[dict]:
   """The training records (those with ce_loss) of a run's metrics.jsonl; [] when it is absent."""
   path = run_dir / "metrics.jsonl"
@@ -64,10 +80,10 @@ def trajectory(run_dir: pathlib.Path) -> list[dict]:
   if not rows or not (run_dir / RUN_FILE).is_file():
     return []
   spec, smoke = read_spec(run_dir)
-  freeze = capacity.study_config(spec, smoke=smoke).lte_routing_freeze_steps
-  near_switch = (lambda step: freeze - SWITCH_SPAN[0] <= step <= freeze + SWITCH_SPAN[1]
-                 if 0 < freeze < spec.steps else False)
-  kept = [r for r in rows if r["step"] % TRAJECTORY_EVERY == 0 or near_switch(r["step"])]
+  freeze = warmup_end(spec, smoke)
+  has_switch = 0 < freeze < spec.steps
+  kept = [r for r in rows if r["step"] % TRAJECTORY_EVERY == 0
+          or (has_switch and near_switch(r["step"], freeze))]
   if kept[-1:] != rows[-1:]:
     kept.append(rows[-1])
   return [{"step": r["step"], "ce_loss": round(r["ce_loss"], 4),

@@ -217,6 +217,7 @@ def init_model_cache(config: ModelConfig, batch_size: int, max_length: int | Non
   return build_cache(config, batch_size, max_length, eviction)
 
 
-def cache_bytes(cache: ModelCache) -> int:
-  """Bytes held by the cache arrays (all rows)."""
+def cache_bytes(cache) -> int:
+  """Bytes held by the arrays of `cache` (all rows): a ModelCache, one layer's cache, or any
+  pytree of arrays or shapes."""
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
