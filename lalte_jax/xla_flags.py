@@ -4,6 +4,18 @@ XLA reads `XLA_FLAGS` once, when the first backend starts, so every command-line
 `apply_workarounds()` at import time, before anything touches a device. Nothing is overridden:
 a flag that `XLA_FLAGS` already names keeps the user's value.
 
+`REPRODUCIBLE_GPU`: flags for bit-for-bit repeatable GPU training, the same numbers whatever the
+process layout (one process over N GPUs, or N processes of one GPU each, as a multi-host job):
+- `--xla_gpu_deterministic_ops=true`: scatters and reductions without atomics, and no autotuning
+  (its choices follow timings, so they differ between runs and between processes);
+- `--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false`: every all-reduce through NCCL.
+  Where one process holds every GPU of a reduction, XLA otherwise sums small all-reduces with its
+  own one-shot Triton kernel, in another order than NCCL's ring, which a multi-process job cannot
+  use.
+They cost time (lalte-0.4b on 4 H200s: 0.34 s a step against 0.19 s), so nothing sets them by
+default: `XLA_FLAGS="$(python -c 'from lalte_jax import xla_flags as f; print(*f.REPRODUCIBLE_GPU)')"`
+or `tools/bench_scaling.py --deterministic`. The measurements: docs/benchmarks.md, section 6.1.
+
 Workarounds (CPU backend only; GPUs ignore them):
 - `--xla_cpu_use_xnnpack=false`: XLA:CPU in jaxlib 0.10.2 can deadlock (every thread idle,
   `block_until_ready` never returns) when its XNNPACK fusions run on a small thread pool, as on
@@ -16,6 +28,8 @@ import os
 from collections.abc import MutableMapping
 
 CPU_WORKAROUNDS = ("--xla_cpu_use_xnnpack=false",)
+REPRODUCIBLE_GPU = ("--xla_gpu_deterministic_ops=true",
+                    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false")
 
 
 def _name(flag: str) -> str:

@@ -36,9 +36,12 @@
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
+#   determinism  several GPUs, with the reproducible XLA flags: whether N processes compute the
+#              one-process step bit for bit (lalte-0.4b and 1.4b on 4 GPUs), and a bf16 lalte-1.4b FSDP
+#              checkpoint of 4 processes resumed by 4, 2 and 1 processes on the same GPUs (~7 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -54,7 +57,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -88,7 +91,9 @@ step() {
   fi
   echo "### $(date +%T) (${limit}s) $*" >>"$log"
   timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$log" 2>&1
-  echo "### exit $? after $(($(date +%s) - start))s" >>"$log"
+  local status=$?
+  echo "### exit $status after $(($(date +%s) - start))s" >>"$log"
+  return $status
 }
 
 case "$stage" in
@@ -232,6 +237,20 @@ case "$stage" in
       --reshard lalte-1.4b --reshard-dtype bfloat16 --reshard-seq-len 1024 --reshard-steps 2,2 \
       --reshard-same-gpus --case-timeout-s 140 --out "$dest/runs" --json "$dest/reshard.json"
     step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
+    ;;
+  determinism)
+    # --deterministic: lalte_jax.xla_flags.REPRODUCIBLE_GPU in every trainer process.
+    small=(python3 tools/bench_scaling.py --presets lalte-0.4b,lalte-1.4b --gpus 4 --steps 5 --warmup 2
+           --case-timeout-s 100 --deterministic --out "$dest/runs")
+    step 220 "${small[@]}" --json "$dest/deterministic.json"
+    layouts_equal=$?
+    step 360 python3 tools/bench_scaling.py --presets "" --mesh fsdp --batch-per-gpu 1 \
+      --reshard lalte-1.4b --reshard-dtype bfloat16 --reshard-seq-len 1024 --reshard-steps 2,2 \
+      --reshard-to 4,2,1 --reshard-same-gpus --deterministic --case-timeout-s 150 \
+      --out "$dest/runs" --json "$dest/reshard_deterministic.json"
+    # When the layouts still differ: NCCL's algorithm, protocol and channel count fixed too.
+    ((layouts_equal == 0)) || step 200 env NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_MIN_NCHANNELS=1 \
+      NCCL_MAX_NCHANNELS=1 "${small[@]}" --json "$dest/deterministic_nccl_fixed.json"
     ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"

@@ -72,7 +72,7 @@ class ProcessGroups:
     self.processes.clear()
 
 
-DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true",)
+DETERMINISTIC_FLAGS = xla_flags.REPRODUCIBLE_GPU  # bit-for-bit repeatable, in any process layout
 
 
 def child_env(platform: str, devices: list[str], timeout_s: float, *,
