@@ -12,9 +12,7 @@ process layout (one process over N GPUs, or N processes of one GPU each, as a mu
   Where one process holds every GPU of a reduction, XLA otherwise sums small all-reduces with its
   own one-shot Triton kernel, in another order than NCCL's ring, which a multi-process job cannot
   use.
-They cost time (lalte-0.4b on 4 H200s: 0.34 s a step against 0.19 s), so nothing sets them by
-default: `XLA_FLAGS="$(python -c 'from lalte_jax import xla_flags as f; print(*f.REPRODUCIBLE_GPU)')"`
-or `tools/bench_scaling.py --deterministic`. The measurements: docs/benchmarks.md, section 6.1.
+The trainer's `reproducible=true` sets them (docs/benchmarks.md, section 6.1, measures them).
 
 Workarounds (CPU backend only; GPUs ignore them):
 - `--xla_cpu_use_xnnpack=false`: XLA:CPU in jaxlib 0.10.2 can deadlock (every thread idle,
@@ -51,9 +49,17 @@ def without_flags(text: str, *flags: str) -> str:
   return " ".join(item for item in text.split() if _name(item) not in names)
 
 
-def apply(*flags: str, environ: MutableMapping[str, str] = os.environ) -> None:
-  """Adds `flags` to `environ["XLA_FLAGS"]` (flags already named there keep their value)."""
-  environ["XLA_FLAGS"] = with_flags(environ.get("XLA_FLAGS", ""), *flags)
+def apply(*flags: str, environ: MutableMapping[str, str] = os.environ,
+          replace: bool = False) -> None:
+  """Adds `flags` to `environ["XLA_FLAGS"]` (flags already named there keep their value, unless
+  `replace`)."""
+  environ["XLA_FLAGS"] = with_flags(environ.get("XLA_FLAGS", ""), *flags, replace=replace)
+
+
+def missing(*flags: str, environ: MutableMapping[str, str] = os.environ) -> list[str]:
+  """The settings of `flags` (name=value) that `environ["XLA_FLAGS"]` does not hold."""
+  present = set(environ.get("XLA_FLAGS", "").split())
+  return [flag for flag in flags if flag not in present]
 
 
 def apply_workarounds(environ: MutableMapping[str, str] = os.environ) -> None:

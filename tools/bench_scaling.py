@@ -40,10 +40,10 @@ global: lalte_jax/train/checkpointing.py).
 The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype is
 `--reshard-dtype` (float32 by default, so that the tolerance measures the restore, not rounding).
 
-`--deterministic` adds XLA's `--xla_gpu_deterministic_ops=true` to every child (deterministic
-scatters, autotuning off, so that both modes pick the same kernels), to rule out those sources of
-a multi != single difference on GPUs (on 4 GPUs in bf16 it did not remove the difference:
-docs/benchmarks.md, section 6.1); `--xla-flag FLAG` (repeatable) adds any XLA flag to every
+`--deterministic` runs every case with the trainer's `reproducible=true` (XLA's deterministic
+ops, every all-reduce through NCCL: `lalte_jax.xla_flags.REPRODUCIBLE_GPU`): with it the two
+modes, and a resumed run and the uninterrupted one, agree to the last bit on GPUs
+(docs/benchmarks.md, section 6.1); `--xla-flag FLAG` (repeatable) adds any XLA flag to every
 child. Each case records the flags it ran with (`xla_flags`). The step-time breakdown (compute
 against collectives) is `tools/bench_train.py --profile` on the same GPUs
 (`collective_exposed_ms`: the time a collective runs with no other kernel beside it).
@@ -80,7 +80,7 @@ xla_flags.apply_workarounds()  # children inherit the environment
 
 from bench_train import table_cell  # pylint: disable=wrong-import-position
 from trainer_runs import (  # pylint: disable=wrong-import-position  # tools/trainer_runs.py
-    DETERMINISTIC_FLAGS, ProcessGroups, mesh_settings, read_records, run_trainer, visible_gpus)
+    ProcessGroups, mesh_settings, read_records, run_trainer, visible_gpus)
 
 
 DEFAULT_PRESETS = "lalte-0.4b,gdn_swa-0.4b,lalte-1.4b"
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--mesh", default="data", choices=("data", "fsdp"),
                       help="split the batch only (data) or also the parameters and moments (fsdp)")
   parser.add_argument("--deterministic", action="store_true",
-                      help="XLA's deterministic GPU ops in every child (module doc)")
+                      help="every case with the trainer's reproducible=true (module doc)")
   parser.add_argument("--xla-flag", dest="xla_flags", action="append", default=[],
                       metavar="FLAG", help="an XLA flag for every child, e.g."
                       " --xla-flag=--xla_gpu_autotune_level=0 (repeatable)")
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   bad = [flag for flag in args.xla_flags if not flag.startswith("--xla_")]
   if bad:
     parser.error(f"--xla-flag takes XLA flags such as --xla_gpu_autotune_level=0, got {bad}")
-  args.xla_flags = tuple(args.xla_flags) + (DETERMINISTIC_FLAGS if args.deterministic else ())
+  args.xla_flags = tuple(args.xla_flags)
   return args
 
 
@@ -186,7 +186,7 @@ def trainer_settings(args: argparse.Namespace, preset: str, *, gpus: int, global
           "log_every=1", "eval_every=0", "eval_batches=0", "tensorboard=false",
           "progress_bar=false", "save_checkpoints=false",
           f"peak_tflops_per_device={args.peak_tflops}", f"output_dir={run_dir}",
-          *args.settings]
+          *(["reproducible=true"] if args.deterministic else []), *args.settings]
 
 
 def step_metrics(records: list[dict], warmup: int, tokens_per_step: int, gpus: int) -> dict:

@@ -240,9 +240,9 @@ case "$stage" in
     ;;
   determinism)
     # --deterministic: lalte_jax.xla_flags.REPRODUCIBLE_GPU in every trainer process.
-    small=(python3 tools/bench_scaling.py --presets lalte-0.4b,lalte-1.4b --gpus 4 --steps 5 --warmup 2
-           --case-timeout-s 100 --deterministic --out "$dest/runs")
-    step 220 "${small[@]}" --json "$dest/deterministic.json"
+    layouts=(python3 tools/bench_scaling.py --presets lalte-0.4b,lalte-1.4b --gpus 4 --steps 5
+             --warmup 2 --case-timeout-s 100 --deterministic --out "$dest/runs")
+    step 220 "${layouts[@]}" --json "$dest/deterministic.json"
     layouts_equal=$?
     step 360 python3 tools/bench_scaling.py --presets "" --mesh fsdp --batch-per-gpu 1 \
       --reshard lalte-1.4b --reshard-dtype bfloat16 --reshard-seq-len 1024 --reshard-steps 2,2 \
@@ -250,7 +250,7 @@ case "$stage" in
       --out "$dest/runs" --json "$dest/reshard_deterministic.json"
     # When the layouts still differ: NCCL's algorithm, protocol and channel count fixed too.
     ((layouts_equal == 0)) || step 200 env NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_MIN_NCHANNELS=1 \
-      NCCL_MAX_NCHANNELS=1 "${small[@]}" --json "$dest/deterministic_nccl_fixed.json"
+      NCCL_MAX_NCHANNELS=1 "${layouts[@]}" --json "$dest/deterministic_nccl_fixed.json"
     ;;
 esac
 echo "### stage $stage done in $(($(date +%s) - start))s" >>"$log"

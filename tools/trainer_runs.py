@@ -72,9 +72,6 @@ class ProcessGroups:
     self.processes.clear()
 
 
-DETERMINISTIC_FLAGS = xla_flags.REPRODUCIBLE_GPU  # bit-for-bit repeatable, in any process layout
-
-
 def child_env(platform: str, devices: list[str], timeout_s: float, *,
               extra_xla_flags: tuple[str, ...] = ()) -> dict[str, str]:
   """The environment of one trainer process on `devices` (GPU ids, or CPU devices counted), with

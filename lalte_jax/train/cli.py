@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
   from lalte_jax.train import distributed  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.config import load_config  # pylint: disable=import-outside-toplevel
   config = load_config(args.config, args.overrides)
+  if config.reproducible:  # XLA reads its flags when the first backend starts, just below
+    xla_flags.apply(*xla_flags.REPRODUCIBLE_GPU, replace=True)
   if pathlib.Path(config.run_dir).exists() and not pathlib.Path(config.run_dir).is_dir():
     raise ValueError(f"TrainConfig.output_dir: {config.run_dir} exists and is not a directory")
   distributed.initialize_distributed(args.coordinator_address, args.num_processes,

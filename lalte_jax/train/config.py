@@ -82,6 +82,12 @@ class TrainConfig:
   # End the process (exit 4) when no step finishes for this long (0: off); for multi-host runs,
   # where a stuck but living peer would otherwise hang every process (lalte_jax/train/watchdog.py).
   step_timeout_s: float = 0.0
+  # True: GPU results repeat to the last bit, run after run and in any process layout (one process
+  # over N GPUs, or N processes), at a cost in step time (lalte-0.4b on 4 H200s: 0.34 s a step
+  # against 0.19 s): XLA's deterministic ops and every all-reduce through NCCL
+  # (lalte_jax.xla_flags.REPRODUCIBLE_GPU). The CLI sets those flags before JAX starts; a program
+  # that builds a Trainer itself must put them in XLA_FLAGS before its first JAX call.
+  reproducible: bool = False
   # LTE sparsity controller (§4.6).
   lte_lambda_init: float = 1e-9
   lte_lambda_min: float = 1e-9

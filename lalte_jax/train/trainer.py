@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lalte_jax import xla_flags
 from lalte_jax.data import IGNORE_LABEL, MQARSource, PasskeySource, curricula, heldout, make_dataset
 from lalte_jax.eval.perplexity import nll_metrics
 from lalte_jax.loss import masked_cross_entropy_sum
@@ -104,6 +105,11 @@ class Trainer:
     training source, so a resumed run must be given the same one. A pretokenized corpus sets the
     model's vocabulary unless `model.vocab_size` does (`TrainConfig.with_data_vocab`)."""
     config = config.with_data_vocab()
+    unset = xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU)
+    if config.reproducible and unset and jax.default_backend() == "gpu":
+      raise ValueError(f"TrainConfig.reproducible: XLA_FLAGS lacks {' '.join(unset)}; XLA reads it"
+                       " once, so set it before the first JAX call (python -m lalte_jax.train"
+                       " does)")
     self.config = config
     self.model_config = config.model_config()
     self.mesh = mesh or sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)

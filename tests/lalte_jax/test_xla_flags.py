@@ -25,3 +25,15 @@ def test_apply_and_workarounds_write_the_given_environment():
   xla_flags.apply("--xla_force_host_platform_device_count=2", environ=environ)
   assert environ["XLA_FLAGS"] == ("--xla_cpu_use_xnnpack=false"
                                   " --xla_force_host_platform_device_count=2")
+
+
+def test_missing_names_the_unset_settings_and_apply_can_replace():
+  environ = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=false"}
+  assert xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU, environ=environ) == list(
+      xla_flags.REPRODUCIBLE_GPU)
+  xla_flags.apply(*xla_flags.REPRODUCIBLE_GPU, environ=environ)  # the user's value stays
+  assert xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU, environ=environ) == [
+      "--xla_gpu_deterministic_ops=true"]
+  xla_flags.apply(*xla_flags.REPRODUCIBLE_GPU, environ=environ, replace=True)
+  assert xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU, environ=environ) == []
+  assert "--xla_gpu_deterministic_ops=false" not in environ["XLA_FLAGS"].split()

@@ -60,35 +60,39 @@ def test_a_checkpoint_resumes_on_the_same_devices_in_fewer_processes(tmp_path, c
       [sys.executable, str(SCRIPT), "--platform", "cpu", "--presets", "", "--seq-len", "32",
        "--batch-per-gpu", "1", "--out", str(tmp_path / "runs"), "--json", str(output),
        "--reshard", "gdn-tiny", "--reshard-steps", "2,2", "--reshard-from", "2",
-       "--reshard-to", "1", "--reshard-same-gpus", "--mesh", "fsdp"],
+       "--reshard-to", "1", "--reshard-same-gpus", "--mesh", "fsdp", "--deterministic"],
       cwd=REPO, env=child_env(**DISTRIBUTED_ENV), timeout=900)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   reshard = json.loads(output.read_text())["reshard"]
   assert reshard["status"] == "ok" and reshard["loss_max_abs_diff"] <= 1e-5, reshard
   reference, resumed = reshard["runs"]
   assert (reference["processes"], reference["gpus"]) == (2, 2)
+  assert "reproducible=true" in reference["command"]  # the GPU flags are accepted on a CPU too
   assert (resumed["processes"], resumed["gpus"]) == (1, 2)  # both devices, one process
   assert sorted(resumed["losses"]) == ["3", "4"]
   assert "2 devices on 1 process(es)" in (tmp_path / "runs" / "reshard_gdn-tiny" /
                                            "resumed_on_1" / "process0.log").read_text()
 
 
-def test_mesh_and_determinism_reach_the_children():
+def test_mesh_and_determinism_reach_the_children(tmp_path):
   runs = load_tool("trainer_runs")
   assert runs.mesh_settings("data", 4) == ["mesh_data=4", "mesh_fsdp=1"]
   assert runs.mesh_settings("fsdp", 4) == ["mesh_data=1", "mesh_fsdp=4"]
-  env = runs.child_env("gpu", ["0", "1"], 60, extra_xla_flags=runs.DETERMINISTIC_FLAGS)
+  env = runs.child_env("gpu", ["0", "1"], 60, extra_xla_flags=("--xla_gpu_autotune_level=0",))
   assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
-  assert "--xla_gpu_deterministic_ops=true" in env["XLA_FLAGS"].split()
-  assert "--xla_gpu_deterministic_ops" not in runs.child_env("gpu", ["0"], 60).get(
+  assert "--xla_gpu_autotune_level=0" in env["XLA_FLAGS"].split()
+  assert "--xla_gpu_autotune_level" not in runs.child_env("gpu", ["0"], 60).get(
       "XLA_FLAGS", "")
   bench = load_tool("bench_scaling")
   args = bench.parse_args(["--presets", "a-tiny", "--deterministic",
                            "--xla-flag=--xla_gpu_autotune_level=0"])
-  assert args.xla_flags == ("--xla_gpu_autotune_level=0", "--xla_gpu_deterministic_ops=true",
-                            "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false")
-  env = runs.child_env("gpu", ["0"], 60, extra_xla_flags=args.xla_flags)
-  assert set(args.xla_flags) <= set(env["XLA_FLAGS"].split())
+  assert args.xla_flags == ("--xla_gpu_autotune_level=0",)
+  settings = bench.trainer_settings(args, "a-tiny", gpus=1, global_batch=4, seq_len=64, steps=2,
+                                    run_dir=tmp_path)
+  assert "reproducible=true" in settings  # the trainer's CLI sets REPRODUCIBLE_GPU itself
+  plain = bench.parse_args(["--presets", "a-tiny"])
+  assert "reproducible=true" not in bench.trainer_settings(
+      plain, "a-tiny", gpus=1, global_batch=4, seq_len=64, steps=2, run_dir=tmp_path)
   with pytest.raises(SystemExit):
     bench.parse_args(["--presets", "a-tiny", "--xla-flag", "autotune=0"])
   cpu = runs.child_env("cpu", ["0", "1", "2"], 60)

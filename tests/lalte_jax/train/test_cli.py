@@ -230,3 +230,22 @@ def test_readme_demo_reaches_high_recall_and_exports(tmp_path, children):
   assert f"exported parameters: {tmp_path / 'export'}" in result.stdout
   model = params_checkpoint.load_model(tmp_path / "export")
   assert model.config == load_config(CONFIGS / "readme_demo.py").model_config()
+
+
+def test_reproducible_sets_the_xla_flags_before_jax_starts(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+  # The mesh error comes after the flags are set and stops the run before anything compiles.
+  check_bad_input(main, ["--config", "tiny_mqar", "--set", f"output_dir={tmp_path}/run",
+                         "--set", "reproducible=true", "--set", "mesh_fsdp=3"],
+                  "does not divide the 1 devices", capsys, tmp=tmp_path)
+  assert xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU) == []
+  assert "--xla_gpu_deterministic_ops=false" not in xla_flags.os.environ["XLA_FLAGS"].split()
+
+
+def test_a_reproducible_trainer_on_a_gpu_refuses_to_start_without_the_flags(monkeypatch):
+  from lalte_jax.train import trainer  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setattr(trainer.jax, "default_backend", lambda: "gpu")
+  with pytest.raises(ValueError, match="TrainConfig.reproducible: XLA_FLAGS lacks"
+                     " --xla_gpu_deterministic_ops=true"):
+    trainer.Trainer(TrainConfig(reproducible=True))
