@@ -19,6 +19,7 @@ import pathlib
 import re
 import sys
 import tarfile
+import zlib
 
 RUNS_DIR, RECORDS_FILE = "runs", "records.json"
 CHECKPOINT_DIR, EXPORT_DIR = "checkpoints", "export"
@@ -64,8 +65,20 @@ def _files(directory: pathlib.Path) -> list[pathlib.Path]:
   return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
-def _size(paths) -> int:
-  return sum(p.stat().st_size for p in paths)
+TAR_HEADER = 512  # bytes a tar archive spends per member before its data
+
+
+def _packed_size(paths) -> int:
+  """About what `paths` add to the gzip-compressed tar: each file's zlib-compressed size plus its
+  header (metrics logs shrink ~5x, checkpoints of float32 state hardly at all)."""
+  total = 0
+  for path in paths:
+    compressor, size = zlib.compressobj(6), TAR_HEADER
+    with path.open("rb") as file:
+      while chunk := file.read(MIB):
+        size += len(compressor.compress(chunk))
+    total += size + len(compressor.flush())
+  return total
 
 
 def _checkpoint_step(run: pathlib.Path) -> int:
@@ -85,15 +98,16 @@ def select_files(study: pathlib.Path, max_bytes: int) -> tuple[list[pathlib.Path
     if run.is_dir() and not (run / RECORDS_FILE).is_file() and _checkpoint_step(run) >= 0:
       unfinished.append(run)
   unfinished.sort(key=_checkpoint_step, reverse=True)  # the most advanced first
-  chosen, left_out, total = list(small), [], _size(small)
+  chosen, left_out, total = list(small), [], _packed_size(small)
   for run in unfinished:
     step = run / CHECKPOINT_DIR / str(_checkpoint_step(run))
     files = _files(step)
-    if total + _size(files) > max_bytes:  # uncompressed size: an upper bound of what it adds
+    size = _packed_size(files)
+    if total + size > max_bytes:
       left_out.append(run.name)
       continue
     chosen += files
-    total += _size(files)
+    total += size
   return chosen, left_out
 
 

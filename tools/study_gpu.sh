@@ -14,7 +14,7 @@
 #   results.md           the tables and checks so far;
 #   report.tar.gz        results.json/.md, trajectories.json, the figures, every run's small files;
 #   state.tar.gz.00ofMM  the state for the next invocation (tools/repro_state.py; at most
-#   ...                  STUDY_MAX_PARTS parts of 15 MiB): put them where STATE_PREFIX points.
+#   ...                  STUDY_MAX_PARTS parts of 14 MiB): put them where STATE_PREFIX points.
 # STUDY_BUDGET_S (default 510) bounds the whole script, STUDY_PARALLEL (default 12) the runs at
 # once; STUDY_ARGS adds arguments to tools/repro.py (e.g. "--models gdn_attn,lalte").
 set -uo pipefail
@@ -53,7 +53,7 @@ timeout 40 python3 tools/plot_results.py --results "$study" --out "$study/figure
 cp "$study/results.md" "$result/results.md" 2>>"$log"
 (cd "$study" && tar -czf "$result/report.tar.gz" results.json results.md trajectories.json figures \
   runs/*/records.json runs/*/metrics.jsonl runs/*/run.json) 2>>"$log"
-python3 tools/repro_state.py pack "$study" "$result/state.tar.gz" --part-mib 15 \
+python3 tools/repro_state.py pack "$study" "$result/state.tar.gz" --part-mib 14 \
   --max-parts "${STUDY_MAX_PARTS:-5}" >>"$log" 2>&1
 echo "### done after $(($(date +%s) - start))s" >>"$log"
 tail -n 40 "$log"

@@ -182,6 +182,19 @@ def _random_file(path: pathlib.Path, size: int) -> None:
   path.write_bytes(np.random.default_rng(len(str(path))).bytes(size))
 
 
+def test_state_counts_what_files_take_compressed(tmp_path):
+  """A long metrics log that compresses well leaves room for a checkpoint that does not."""
+  state = load_tool("repro_state")
+  study, mib = tmp_path / "study", 1 << 20
+  run = study / "runs" / "unfinished"
+  (run / "metrics.jsonl").parent.mkdir(parents=True)
+  (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n' * (3 * mib // 26))
+  _random_file(run / "checkpoints" / "7" / "state" / "data", mib)
+  files, left_out = state.select_files(study, 2 * mib)  # 4 MiB on disk
+  assert left_out == [] and run / "checkpoints" / "7" / "state" / "data" in files
+  assert state.select_files(study, mib)[1] == ["unfinished"]
+
+
 def test_state_packs_small_parts_and_unpacks_what_a_later_invocation_needs(tmp_path):
   state = load_tool("repro_state")
   study, mib = tmp_path / "study", 1 << 20
