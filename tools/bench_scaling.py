@@ -30,11 +30,12 @@ memory), and for "multi" the largest |loss difference| from
 "single" at the same N (expected <= `--tolerance`: each process reads a contiguous block of every
 global batch, so both see the same global batch in the same rows and compile the same step).
 
-`--reshard PRESET`: resuming onto fewer processes. PRESET trains K+M steps (`--reshard-steps K,M`)
-as `--reshard-from` processes, with a checkpoint at step K; that checkpoint is copied into a new
-run, which resumes it as each count of `--reshard-to` processes (one GPU each, so a smaller mesh;
-with `--reshard-same-gpus` all `--reshard-from` GPUs split over those processes, so the same mesh
-in another process layout) and trains steps K+1..K+M; their losses must equal the uninterrupted
+`--reshard PRESET`: resuming on other process counts. PRESET trains K+M steps (`--reshard-steps
+K,M`) as `--reshard-from` processes, with a checkpoint at step K; that checkpoint is copied into a
+new run, which resumes it as each count of `--reshard-to` processes (one GPU each, so a smaller
+or larger mesh; a count needing more GPUs than are visible is skipped; with `--reshard-same-gpus`
+all `--reshard-from` GPUs split over those processes, so the same mesh in another process
+layout) and trains steps K+1..K+M; their losses must equal the uninterrupted
 run's within `--reshard-tolerance` (Orbax reads the state onto the new mesh, the data position is
 global: lalte_jax/train/checkpointing.py).
 The global batch stays `--batch-per-gpu` x `--reshard-from`; the compute dtype is
@@ -160,9 +161,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.error("--budget-s and --reshard-seq-len must be >= 0")
   if len(args.reshard_steps) != 2:
     parser.error(f"--reshard-steps takes K,M, got {args.reshard_steps}")
-  if args.reshard and any(args.reshard_from % n for n in args.reshard_to):
-    parser.error(f"--reshard-to counts {args.reshard_to} must divide --reshard-from="
-                 f"{args.reshard_from} (the global batch splits over the processes)")
+  global_batch = args.batch_per_gpu * args.reshard_from
+  if args.reshard and any(global_batch % n for n in args.reshard_to):
+    parser.error(f"--reshard-to counts {args.reshard_to} must divide the global batch"
+                 f" {global_batch} (--batch-per-gpu x --reshard-from: it splits over the"
+                 " processes)")
+  if args.reshard and args.reshard_same_gpus and any(
+      args.reshard_from % n for n in args.reshard_to):
+    parser.error(f"--reshard-same-gpus: --reshard-to counts {args.reshard_to} must divide"
+                 f" --reshard-from={args.reshard_from} (its GPUs split over the processes)")
   bad = [flag for flag in args.xla_flags if not flag.startswith("--xla_")]
   if bad:
     parser.error(f"--xla-flag takes XLA flags such as --xla_gpu_autotune_level=0, got {bad}")
@@ -362,8 +369,9 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
   def run(name: str, processes: int) -> dict | None:
     gpus = args.reshard_from if args.reshard_same_gpus else processes
     timeout_s = budget.timeout_s(f"reshard {preset}")
-    if timeout_s is None:
-      result["runs"].append({"name": name, "status": "skipped"})
+    if timeout_s is None or gpus > len(devices):
+      result["runs"].append({"name": name, "status": "skipped", "error": (
+          "budget" if timeout_s is None else f"{gpus} GPUs needed, {len(devices)} visible")})
       return None
     run_dir = out / name
     settings = trainer_settings(args, preset, gpus=gpus, global_batch=global_batch,
@@ -413,7 +421,8 @@ def run_reshard(groups: ProcessGroups, args: argparse.Namespace, budget: Budget,
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
-  wanted = max([*args.gpus, *([args.reshard_from] if args.reshard else [])])
+  resharded = [args.reshard_from, *([] if args.reshard_same_gpus else args.reshard_to)]
+  wanted = max([*args.gpus, *(resharded if args.reshard else [])])
   devices = visible_gpus(args.platform, wanted)
   report = Report(args, argv)
   report.data["visible_gpus"] = len(devices)

@@ -117,6 +117,18 @@ def test_reshard_alone_runs_no_cases():
     bench.parse_args(["--presets", ""])
 
 
+def test_reshard_counts_must_split_the_global_batch_and_may_exceed_the_writers():
+  bench = load_tool("bench_scaling")
+  reshard = ["--presets", "", "--reshard", "a-tiny", "--reshard-from", "4"]
+  assert bench.parse_args(reshard + ["--batch-per-gpu", "2", "--reshard-to", "8,2"]).reshard_to \
+      == [8, 2]  # 8 rows over 8 processes: a larger mesh than the checkpoint's
+  with pytest.raises(SystemExit):  # 4 rows cannot split over 8 processes
+    bench.parse_args(reshard + ["--batch-per-gpu", "1", "--reshard-to", "8"])
+  with pytest.raises(SystemExit):  # the same 4 GPUs cannot split over 8 processes
+    bench.parse_args(reshard + ["--batch-per-gpu", "2", "--reshard-to", "8",
+                                "--reshard-same-gpus"])
+
+
 def test_budget_skips_a_case_that_cannot_finish():
   bench = load_tool("bench_scaling")
   budget = bench.Budget(total_s=100.0, case_timeout_s=600.0)
