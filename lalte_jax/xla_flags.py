@@ -1,8 +1,8 @@
 """XLA flags that the entry points set in the environment before JAX creates its backends.
 
 XLA reads `XLA_FLAGS` once, when the first backend starts, so every command-line tool calls
-`apply_workarounds()` at import time, before anything touches a device. Nothing is overridden:
-a flag that `XLA_FLAGS` already names keeps the user's value.
+`apply_workarounds()` at import time, before anything touches a device. It overrides nothing: a
+flag that `XLA_FLAGS` already names keeps the user's value.
 
 `REPRODUCIBLE_GPU`: flags for bit-for-bit repeatable GPU training, the same numbers whatever the
 process layout (one process over N GPUs, or N processes of one GPU each, as a multi-host job):

@@ -36,9 +36,10 @@
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
-#   determinism  several GPUs, with the reproducible XLA flags: whether N processes compute the
-#              one-process step bit for bit (lalte-0.4b and 1.4b on 4 GPUs), and a bf16 lalte-1.4b FSDP
-#              checkpoint of 4 processes resumed by 4, 2 and 1 processes on the same GPUs (~7 min)
+#   determinism  several GPUs, with the trainer's reproducible=true: whether N processes compute
+#              the one-process step bit for bit (lalte-0.4b and 1.4b on 4 GPUs), and a bf16
+#              lalte-1.4b FSDP checkpoint of 4 processes resumed by 4, 2 and 1 processes on the
+#              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
 usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
@@ -239,7 +240,7 @@ case "$stage" in
     step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_sharding.py -p no:cacheprovider
     ;;
   determinism)
-    # --deterministic: lalte_jax.xla_flags.REPRODUCIBLE_GPU in every trainer process.
+    # --deterministic: every trainer process with reproducible=true (xla_flags.REPRODUCIBLE_GPU).
     layouts=(python3 tools/bench_scaling.py --presets lalte-0.4b,lalte-1.4b --gpus 4 --steps 5
              --warmup 2 --case-timeout-s 100 --deterministic --out "$dest/runs")
     step 220 "${layouts[@]}" --json "$dest/deterministic.json"

@@ -2,6 +2,7 @@
 every bad input of the train and export CLIs is one line and exit 2; --help and --list-fields."""
 
 import dataclasses
+import os
 import pathlib
 import re
 import sys
@@ -239,7 +240,7 @@ def test_reproducible_sets_the_xla_flags_before_jax_starts(tmp_path, monkeypatch
                          "--set", "reproducible=true", "--set", "mesh_fsdp=3"],
                   "does not divide the 1 devices", capsys, tmp=tmp_path)
   assert xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU) == []
-  assert "--xla_gpu_deterministic_ops=false" not in xla_flags.os.environ["XLA_FLAGS"].split()
+  assert "--xla_gpu_deterministic_ops=false" not in os.environ["XLA_FLAGS"].split()
 
 
 def test_a_reproducible_trainer_on_a_gpu_refuses_to_start_without_the_flags(monkeypatch):
