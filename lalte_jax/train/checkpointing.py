@@ -81,14 +81,15 @@ class _IteratorSnapshot:
 
 
 class RunCheckpoints:
-  """Saves and restores (TrainState, data iterator) under `directory`, keeping the newest `keep`.
+  """Saves and restores (TrainState, data iterator) under `directory`, keeping the newest `keep`
+  and, with `keep_every` > 0, every step that `keep_every` divides.
 
   Every process must construct it and call `save`/`restore` with the same steps: Orbax
   coordinates the processes, each writes its own array shards and data state, process 0 the rest.
   """
 
-  def __init__(self, directory: str | pathlib.Path, *, keep: int, config_json: dict | None = None,
-               read_only: bool = False):
+  def __init__(self, directory: str | pathlib.Path, *, keep: int, keep_every: int = 0,
+               config_json: dict | None = None, read_only: bool = False):
     """`read_only` (for readers such as the export while the run may still be training): never
     creates, deletes or cleans anything, so a save in flight elsewhere is left alone."""
     if keep <= 0:
@@ -97,7 +98,8 @@ class RunCheckpoints:
     self.config_json = config_json
     self.read_only = read_only
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=None if read_only else keep, create=not read_only,
+        max_to_keep=None if read_only else keep, keep_period=keep_every or None,
+        create=not read_only,
         cleanup_tmp_directories=not read_only,  # removes what a killed save left behind
         async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums))
     self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -108,6 +110,7 @@ class RunCheckpoints:
   def for_run(cls, config) -> RunCheckpoints:
     """The checkpoints of the run `config` (a TrainConfig) in `<run_dir>/checkpoints`."""
     return cls(pathlib.Path(config.run_dir) / CHECKPOINT_DIR, keep=config.checkpoint_keep,
+               keep_every=config.checkpoint_keep_every,
                config_json=json.loads(json.dumps(dataclasses.asdict(config))))
 
   def latest_step(self) -> int | None:

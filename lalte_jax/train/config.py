@@ -134,8 +134,11 @@ class TrainConfig:
   # lalte_jax/train/resume.py). resume=False refuses to start where checkpoints exist and moves or
   # deletes nothing: to start afresh, use a new output_dir. At the end the parameters are exported
   # for inference into <run_dir>/export in `export_dtype` (float32 = the master weights, lossless).
+  # `checkpoint_keep_every` > 0 also keeps every checkpoint whose step it divides (a multiple of
+  # `checkpoint_every`), e.g. a point to start other runs from.
   checkpoint_every: int = 100
   checkpoint_keep: int = 3
+  checkpoint_keep_every: int = 0
   # False: the run writes only its metrics (no checkpoint, no export) and resumes nothing, e.g.
   # for benchmarks; the CLI then refuses an output_dir that holds checkpoints.
   save_checkpoints: bool = True
@@ -211,6 +214,11 @@ class TrainConfig:
              f"must be positive, got {self.stop_check_every}")
     _require(self.checkpoint_keep > 0, "checkpoint_keep",
              f"must be positive, got {self.checkpoint_keep}")
+    _require(self.checkpoint_keep_every == 0 or (
+        self.checkpoint_keep_every > 0 and self.checkpoint_every > 0
+        and self.checkpoint_keep_every % self.checkpoint_every == 0), "checkpoint_keep_every",
+             f"must be 0 or a positive multiple of checkpoint_every={self.checkpoint_every},"
+             f" got {self.checkpoint_keep_every}")
     _require(self.export_dtype in DTYPES, "export_dtype", f"{self.export_dtype!r} not in {DTYPES}")
     model = self.model_config()  # the preset must exist (e.g. pure_lte has no 1.4b) and validate
     _require(self.lte_routing_freeze_steps == 0 or model.num_lte_layers > 0,

@@ -92,6 +92,19 @@ def test_keeps_the_newest_and_restores_a_chosen_step(tmp_path):
   checkpoints.close()
 
 
+def test_keep_every_also_keeps_the_steps_it_divides(tmp_path):
+  iterator = _iterator()
+  checkpoints = checkpointing.RunCheckpoints(tmp_path, keep=1, keep_every=4)
+  for step in (2, 4, 6, 8, 10):
+    checkpoints.save(step, _state(step), iterator, wait=True)
+  assert checkpoints.all_steps() == [4, 8, 10]
+  assert _equal(checkpoints.restore(_abstract(_state(0)), step=4), _state(4))
+  checkpoints.close()
+  with pytest.raises(ValueError, match="checkpoint_keep_every: must be 0 or a positive multiple"
+                                       " of checkpoint_every=100, got 50"):
+    TrainConfig(checkpoint_keep_every=50)
+
+
 def test_empty_directory_has_no_step(tmp_path):
   checkpoints = checkpointing.RunCheckpoints(tmp_path / "none", keep=1)
   assert checkpoints.latest_step() is None
