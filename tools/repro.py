@@ -10,7 +10,11 @@ needs, so one invocation may run several stages):
 1. sweep: every model of MODELS and CHECKS at every learning rate (`--lrs`), seed 0, P = 96;
 2. seeds: the other seeds (`--seeds`) of every model at its chosen lr (the sweep run with the
    best capped accuracy on the held-out "select" split; uncapped for the router-off check);
-3. control: every model of MODELS at its chosen lr with P = 8 (`--control-steps` steps).
+3. control: every model of MODELS at its chosen lr with P = 8 (`--control-steps` steps);
+4. forks (`capacity.FORKS`): every seed at the parent's lr, once the parent's run has saved the
+   end of its router warm-up (the parent keeps that checkpoint; it is copied into the fork's
+   run directory with the parent's metrics and probe up to it, and the fork resumes from it).
+   A fork's parent is trained even when `--models` does not name it.
 Each run lives in `--out/runs/<name>/` (tools/repro_run.py: run.json, the trainer's metrics and
 checkpoints, `export/`, `records.json` once finished, `log.txt`) and runs as a child process,
 `--parallel` at once: the small models leave a GPU mostly idle, so sharing it is nearly free.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +48,7 @@ import repro_report  # pylint: disable=wrong-import-position
 import repro_run  # pylint: disable=wrong-import-position
 
 from lalte_jax.configs.repro import capacity  # pylint: disable=wrong-import-position
+from lalte_jax.train.checkpointing import CHECKPOINT_DIR  # pylint: disable=wrong-import-position
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -126,19 +132,61 @@ def is_finished(out: pathlib.Path, spec: capacity.RunSpec) -> bool:
 
 def plan(args, records: list[dict]) -> list[capacity.RunSpec]:
   """Every run the study needs now, in order: the sweep, then the seeds and the controls of the
-  models whose learning rate is chosen (from the finished `records`)."""
-  main_models = [m for m in args.models if m in capacity.MODELS]
+  models whose learning rate is chosen (from the finished `records`), then the forks (every seed
+  at the parent's lr, P = 96 only; their parents are trained too)."""
+  forks = [m for m in args.models if m in capacity.FORKS]
+  parents = [capacity.FORKS[m] for m in forks if capacity.FORKS[m] not in args.models]
+  own = [m for m in args.models if m not in capacity.FORKS] + list(dict.fromkeys(parents))
+  main_models = [m for m in own if m in capacity.MODELS and m not in parents]
   specs = [capacity.RunSpec(m, lr, 0, capacity.NUM_KV_PAIRS, args.steps)
-           for m in args.models for lr in args.lrs]
+           for m in own for lr in args.lrs]
   # The checks run every seed too: seed-to-seed spread is larger than the checks' margins.
-  chosen = repro_report.choose_lrs(records, args.models, args.lrs, capacity.NUM_KV_PAIRS,
+  chosen = repro_report.choose_lrs(records, own + forks, args.lrs, capacity.NUM_KV_PAIRS,
                                    args.steps)
   specs += [capacity.RunSpec(m, chosen[m], seed, capacity.NUM_KV_PAIRS, args.steps)
-            for m in args.models if m in chosen for seed in args.seeds if seed != 0]
+            for m in own if m in chosen for seed in args.seeds if seed != 0]
   if args.control_steps:
     specs += [capacity.RunSpec(m, chosen[m], 0, capacity.CONTROL_KV_PAIRS, args.control_steps)
               for m in main_models if m in chosen]
+  specs += [capacity.RunSpec(m, chosen[m], seed, capacity.NUM_KV_PAIRS, args.steps)
+            for m in forks if m in chosen for seed in args.seeds]
   return specs
+
+
+def has_checkpoint(directory: pathlib.Path) -> bool:
+  """Whether a run directory holds a finished checkpoint (Orbax renames a save when done)."""
+  checkpoints = directory / CHECKPOINT_DIR
+  return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+def make_fork(out: pathlib.Path, spec: capacity.RunSpec, smoke: bool) -> str | None:
+  """Starts the run of fork `spec` from its parent's checkpoint at `capacity.fork_step` once the
+  parent has it: the checkpoint (copied under a temporary name, then renamed, so that a copy cut
+  short is never taken for one), the parent's metrics up to that step and its probe there.
+  Returns why it cannot yet, or None once the fork's directory holds a checkpoint."""
+  child = run_dir(out, spec)
+  if has_checkpoint(child) or is_finished(out, spec):
+    return None
+  parent = run_dir(out, capacity.fork_parent(spec))
+  step = capacity.fork_step(spec, smoke=smoke)
+  source = parent / CHECKPOINT_DIR / str(step)
+  if not source.is_dir():
+    finished = (parent / repro_run.RECORDS_FILE).is_file()
+    return (f"{parent.name} finished without its step-{step} checkpoint" if finished
+            else f"waits for step {step} of {parent.name}")
+  repro_run.write_spec(child, spec, smoke)
+  partial = child / CHECKPOINT_DIR / f".{step}.copy"
+  shutil.rmtree(partial, ignore_errors=True)
+  shutil.copytree(source, partial)
+  partial.rename(child / CHECKPOINT_DIR / str(step))
+  metrics = [line for line in (parent / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("step", 0) <= step]
+  (child / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+  probe = parent / f"probe_step{step}.json"
+  if probe.is_file():
+    shutil.copy2(probe, child / probe.name)
+  print(f"   fork {spec.name} from {parent.name} at step {step}", flush=True)
+  return None
 
 
 class Scheduler:
@@ -156,10 +204,22 @@ class Scheduler:
     return self.args.budget_s - (time.monotonic() - self.start)
 
   def pending(self) -> list[capacity.RunSpec]:
+    """The planned runs that can start now (a fork once its directory holds the parent's
+    checkpoint: `make_forks`)."""
     records = repro_report.load_records(self.out)
     return [spec for spec in plan(self.args, records)
             if not is_finished(self.out, spec) and spec.name not in self.running
-            and spec.name not in self.failed]
+            and spec.name not in self.failed
+            and (spec.model not in capacity.FORKS or has_checkpoint(run_dir(self.out, spec)))]
+
+  def make_forks(self) -> None:
+    """`make_fork` for every planned fork, naming once each that cannot be made."""
+    for spec in plan(self.args, repro_report.load_records(self.out)):
+      if spec.model in capacity.FORKS:
+        reason = make_fork(self.out, spec, self.args.smoke)
+        if reason and "finished without" in reason and spec.name not in self.failed:
+          self.failed.add(spec.name)
+          print(f"   {spec.name}: cannot fork, {reason}", flush=True)
 
   def launch(self, spec: capacity.RunSpec) -> None:
     directory = run_dir(self.out, spec)
@@ -204,10 +264,12 @@ class Scheduler:
     finally:  # also on Ctrl-C or an error: no run is left behind
       if self.running:
         self.stop_all()
+      self.make_forks()  # from checkpoints the stopped runs saved, for the next invocation
 
   def _schedule(self) -> None:
     while True:
       self.reap()
+      self.make_forks()
       if self.time_left() <= self.args.grace_s:
         if self.running:
           print(f"== budget: stopping {sorted(self.running)}", flush=True)

@@ -140,14 +140,16 @@ def accuracy_by_lr_seed(records: list[dict], model: str) -> dict[float, dict[int
 
 
 def choose_lrs(records: list[dict], models, lrs, pairs: int, steps: int) -> dict[str, float]:
-  """{model: lr} for the models whose seed-0 runs at every lr of `lrs` have finished; with a
+  """{model: lr} for the models whose seed-0 runs at every lr of `lrs` have finished (a fork's:
+  its parent's); with a
   single lr there is nothing to choose, so every model has it from the start (its seeds need not
   wait for the seed-0 run)."""
   if len(lrs) == 1:
     return {model: lrs[0] for model in models}
   chosen = {}
   for model in models:
-    sweep = {r["lr"]: r for r in records if r["model"] == model and r["seed"] == 0
+    own = capacity.FORKS.get(model, model)  # a fork trains at its parent's lr
+    sweep = {r["lr"]: r for r in records if r["model"] == own and r["seed"] == 0
              and r["pairs"] == pairs and r["steps"] == steps}
     if all(lr in sweep for lr in lrs):
       chosen[model] = max(lrs, key=lambda lr: selection_accuracy(sweep[lr]))

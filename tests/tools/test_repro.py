@@ -1,6 +1,7 @@
 """tools/repro.py and its helpers: the plan, skipping finished runs, the report's checks, packing
 the state for another machine, and one smoke run that resumes a partly trained run."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -271,6 +272,60 @@ def test_smoke_study_resumes_a_partly_trained_run_then_skips_it(tmp_path, capsys
   assert all(p.stat().st_size > 1000 for p in written)
 
 
+def test_a_fork_is_planned_with_its_parent_and_made_from_its_checkpoint(tmp_path):
+  repro = load_tool("repro")
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  args = repro.parse_args(["--out", str(tmp_path), "--models", "lalte_warmup_learn_frozen_fork",
+                           "--seeds", "0,3", "--control-steps", "0"])
+  fork = capacity.RunSpec("lalte_warmup_learn_frozen_fork", capacity.LEARNING_RATES[0], 3)
+  parent = capacity.fork_parent(fork)
+  assert [s.name for s in repro.plan(args, [])] == [
+      s.name for s in (capacity.fork_parent(dataclasses.replace(fork, seed=0)), parent,
+                       dataclasses.replace(fork, seed=0), fork)]
+  assert capacity.study_config(parent).checkpoint_keep_every == capacity.fork_step(fork) == 24000
+  assert repro.make_fork(tmp_path, fork, smoke=False) == (
+      f"waits for step 24000 of {parent.name}")
+  source = tmp_path / "runs" / parent.name
+  (source / "checkpoints" / "24000" / "state").mkdir(parents=True)
+  (source / "checkpoints" / "24000" / "state" / "data").write_text("arrays")
+  (source / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (23950, 24000, 24050)))
+  (source / "probe_step24000.json").write_text("{}")
+  assert repro.make_fork(tmp_path, fork, smoke=False) is None
+  child = tmp_path / "runs" / fork.name
+  assert (child / "checkpoints" / "24000" / "state" / "data").read_text() == "arrays"
+  assert [json.loads(line)["step"] for line in (child / "metrics.jsonl").read_text(
+      ).splitlines()] == [23950, 24000]  # the parent's curve up to the fork
+  assert (child / "probe_step24000.json").is_file() and repro.has_checkpoint(child)
+  other = dataclasses.replace(fork, seed=5)  # its parent finished before keeping the fork point
+  (tmp_path / "runs" / capacity.fork_parent(other).name).mkdir()
+  (tmp_path / "runs" / capacity.fork_parent(other).name / "records.json").write_text("{}")
+  assert "finished without its step-24000 checkpoint" in repro.make_fork(tmp_path, other,
+                                                                         smoke=False)
+
+
+@pytest.mark.slow
+def test_smoke_fork_continues_its_parent_from_the_end_of_the_warmup(tmp_path):
+  repro = load_tool("repro")
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  payload = repro.main(["--smoke", "--out", str(tmp_path), "--models",
+                        "lalte_warmup_learn_frozen_fork", "--lrs", "1e-3", "--seeds", "0",
+                        "--control-steps", "0", "--parallel", "2"])
+  fork = capacity.RunSpec("lalte_warmup_learn_frozen_fork", 1e-3, 0)
+  parent, child = (tmp_path / "runs" / spec.name for spec in (capacity.fork_parent(fork), fork))
+  assert "resumed from" in (child / "log.txt").read_text()
+  curves = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for run in (parent, child)]
+  assert [r["step"] for r in curves[1]] == [1, 2, 3, 4]
+  assert curves[1][:2] == curves[0][:2]  # the parent's first 2 steps, then its own
+  assert sorted(p.name for p in (parent / "checkpoints").iterdir() if p.name.isdigit()) == [
+      "2", "4"]  # the fork point stays beside the newest
+  records = {r["model"]: r for r in payload["runs"]}
+  assert records["lalte_warmup_learn_frozen_fork"]["trained_steps"] == 4
+  assert "2" in records["lalte_warmup_learn_frozen_fork"]["probes"]  # the parent's, at the fork
+  assert payload["chosen_lr"]["lalte_warmup_learn_frozen_fork"] == 1e-3
+
+
 def test_study_settings_give_every_windowed_model_the_same_budget():
   from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
   models = {m: capacity.study_config(capacity.RunSpec(m, 1e-3, 0)).model_config()
@@ -296,18 +351,22 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
             for m in capacity.ALL_MODELS}
   assert bounds.pop("lalte_bounded") == bounds.pop("lalte_warmup_bounded") \
       == bounds.pop("lalte_warmup_learn") == bounds.pop("lalte_warmup_anneal") \
-      == bounds.pop("lalte_warmup_learn_frozen") == capacity.BOUNDED_LAMBDA_MAX < 1.0
+      == bounds.pop("lalte_warmup_learn_frozen") == bounds.pop("lalte_warmup_learn_frozen_fork") \
+      == capacity.BOUNDED_LAMBDA_MAX < 1.0
   assert set(bounds.values()) == {1.0}
   assert models["lalte_bounded"] == models["lalte_warmup_bounded"] == models["lalte"] \
       == models["lalte_warmup_learn"] == models["lalte_warmup_anneal"] \
-      == models["lalte_warmup_learn_frozen"]
-  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal",
-                "lalte_warmup_learn_frozen"):
+      == models["lalte_warmup_learn_frozen"] == models["lalte_warmup_learn_frozen_fork"]
+  frozen = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork")
+  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal") + frozen:
     config = capacity.study_config(capacity.RunSpec(model, 5e-4, 0))
     assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps
     assert config.lte_routing_freeze_learns == (model != "lalte_warmup_bounded")
     assert config.lte_routing_freeze_anneal == (model == "lalte_warmup_anneal")
-    assert config.lte_router_frozen_after_warmup == (model == "lalte_warmup_learn_frozen")
+    assert config.lte_router_frozen_after_warmup == (model in frozen)
+    # Only a fork's parent keeps the end of its warm-up beside its newest checkpoint.
+    assert config.checkpoint_keep_every == (config.lte_routing_freeze_steps
+                                            if model == "lalte_warmup_learn" else 0)
 
 
 @pytest.mark.slow

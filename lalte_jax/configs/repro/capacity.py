@@ -30,6 +30,10 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   then on): at that point the routers of `lalte_warmup_learn`
   kept 94-99% of the queried values in 5 of 6 heads, and the collapse that followed came from
   their updates after the switch (docs/results.md);
+  `lalte_warmup_learn_frozen_fork`: `lalte_warmup_learn_frozen` started from the checkpoint of
+  `lalte_warmup_learn` (same lr and seed) at the end of the warm-up, so that the two differ only
+  after the switch: GPU runs do not repeat to the last bit, and two runs of one seed had parted
+  long before step 24000 (docs/results.md; tools/repro.py makes the fork);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
@@ -69,7 +73,8 @@ from lalte_jax.data.synthetic import MQARSource
 from lalte_jax.train.config import TrainConfig
 
 MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lalte_warmup_bounded",
-          "lalte_warmup_learn", "lalte_warmup_anneal", "lalte_warmup_learn_frozen", "lansa")
+          "lalte_warmup_learn", "lalte_warmup_anneal", "lalte_warmup_learn_frozen",
+          "lalte_warmup_learn_frozen_fork", "lansa")
 ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
 CHECKS = (ROUTER_OFF,)
 ALL_MODELS = MODELS + CHECKS
@@ -137,7 +142,10 @@ _MIXER = {
 # A router warm-up of FULL's steps; lambda <= BOUNDED_LAMBDA_MAX; a router that learns during it;
 # evicted tokens revealed with a probability falling to 0 over it; a router frozen after it.
 ANNEALED_WARMUP_MODELS = ("lalte_warmup_anneal",)
-FROZEN_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_frozen",)
+FROZEN_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork")
+# {model: parent}: the model's runs start from the parent's run of the same lr, seed, pairs and
+# steps at the end of the router warm-up (`fork_step`), which the parent keeps for them.
+FORKS = {"lalte_warmup_learn_frozen_fork": "lalte_warmup_learn"}
 LEARNING_WARMUP_MODELS = (("lalte_warmup_learn",) + ANNEALED_WARMUP_MODELS
                           + FROZEN_AFTER_WARMUP_MODELS)
 WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
@@ -205,7 +213,19 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
                       else TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",
       log_every=scale.log_every, eval_batches=4, checkpoint_every=scale.checkpoint_every,
-      checkpoint_keep=1, tensorboard=False, progress_bar=False)
+      checkpoint_keep=1, checkpoint_keep_every=freeze if spec.model in FORKS.values() else 0,
+      tensorboard=False, progress_bar=False)
+
+
+def fork_parent(spec: RunSpec) -> RunSpec | None:
+  """The run whose checkpoint `spec`'s run starts from, or None (it starts at step 0)."""
+  parent = FORKS.get(spec.model)
+  return dataclasses.replace(spec, model=parent) if parent else None
+
+
+def fork_step(spec: RunSpec, *, smoke: bool = False) -> int:
+  """The step a fork starts from: the end of its router warm-up (its parent's too)."""
+  return study_config(spec, smoke=smoke).lte_routing_freeze_steps
 
 
 def eval_source(spec: RunSpec, split: str, *, smoke: bool = False) -> MQARSource:
