@@ -159,34 +159,40 @@ def has_checkpoint(directory: pathlib.Path) -> bool:
   return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
 
 
-def make_fork(out: pathlib.Path, spec: capacity.RunSpec, smoke: bool) -> str | None:
+class ForkUnavailable(ValueError):
+  """The parent of a fork finished without the checkpoint the fork starts from."""
+
+
+def make_fork(out: pathlib.Path, spec: capacity.RunSpec, smoke: bool) -> bool:
   """Starts the run of fork `spec` from its parent's checkpoint at `capacity.fork_step` once the
   parent has it: the checkpoint (copied under a temporary name, then renamed, so that a copy cut
   short is never taken for one), the parent's metrics up to that step and its probe there.
-  Returns why it cannot yet, or None once the fork's directory holds a checkpoint."""
+  True once the fork's directory holds a checkpoint (or the fork has finished), False while the
+  parent has not reached that step; ForkUnavailable when it finished without it."""
   child = run_dir(out, spec)
   if has_checkpoint(child) or is_finished(out, spec):
-    return None
+    return True
   parent = run_dir(out, capacity.fork_parent(spec))
   step = capacity.fork_step(spec, smoke=smoke)
   source = parent / CHECKPOINT_DIR / str(step)
   if not source.is_dir():
-    finished = (parent / repro_run.RECORDS_FILE).is_file()
-    return (f"{parent.name} finished without its step-{step} checkpoint" if finished
-            else f"waits for step {step} of {parent.name}")
+    if (parent / repro_run.RECORDS_FILE).is_file():
+      raise ForkUnavailable(f"{parent.name} finished without its step-{step} checkpoint")
+    return False
   repro_run.write_spec(child, spec, smoke)
   partial = child / CHECKPOINT_DIR / f".{step}.copy"
   shutil.rmtree(partial, ignore_errors=True)
   shutil.copytree(source, partial)
   partial.rename(child / CHECKPOINT_DIR / str(step))
-  metrics = [line for line in (parent / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line).get("step", 0) <= step]
-  (child / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+  # Whole lines only: the parent may still be appending to its log.
+  lines = (parent / "metrics.jsonl").read_text().split("\n")[:-1]
+  (child / "metrics.jsonl").write_text("".join(
+      line + "\n" for line in lines if json.loads(line).get("step", 0) <= step))
   probe = parent / f"probe_step{step}.json"
   if probe.is_file():
     shutil.copy2(probe, child / probe.name)
   print(f"   fork {spec.name} from {parent.name} at step {step}", flush=True)
-  return None
+  return True
 
 
 class Scheduler:
@@ -215,11 +221,12 @@ class Scheduler:
   def make_forks(self) -> None:
     """`make_fork` for every planned fork, naming once each that cannot be made."""
     for spec in plan(self.args, repro_report.load_records(self.out)):
-      if spec.model in capacity.FORKS:
-        reason = make_fork(self.out, spec, self.args.smoke)
-        if reason and "finished without" in reason and spec.name not in self.failed:
+      if spec.model in capacity.FORKS and spec.name not in self.failed:
+        try:
+          make_fork(self.out, spec, self.args.smoke)
+        except ForkUnavailable as error:
           self.failed.add(spec.name)
-          print(f"   {spec.name}: cannot fork, {reason}", flush=True)
+          print(f"   {spec.name}: cannot fork, {error}", flush=True)
 
   def launch(self, spec: capacity.RunSpec) -> None:
     directory = run_dir(self.out, spec)

@@ -283,15 +283,15 @@ def test_a_fork_is_planned_with_its_parent_and_made_from_its_checkpoint(tmp_path
       s.name for s in (capacity.fork_parent(dataclasses.replace(fork, seed=0)), parent,
                        dataclasses.replace(fork, seed=0), fork)]
   assert capacity.study_config(parent).checkpoint_keep_every == capacity.fork_step(fork) == 24000
-  assert repro.make_fork(tmp_path, fork, smoke=False) == (
-      f"waits for step 24000 of {parent.name}")
+  assert not repro.make_fork(tmp_path, fork, smoke=False)  # the parent is not there yet
   source = tmp_path / "runs" / parent.name
   (source / "checkpoints" / "24000" / "state").mkdir(parents=True)
   (source / "checkpoints" / "24000" / "state" / "data").write_text("arrays")
   (source / "metrics.jsonl").write_text("".join(
-      json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (23950, 24000, 24050)))
+      json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (23950, 24000, 24050))
+      + '{"step": 241')  # a line the running parent is still writing
   (source / "probe_step24000.json").write_text("{}")
-  assert repro.make_fork(tmp_path, fork, smoke=False) is None
+  assert repro.make_fork(tmp_path, fork, smoke=False)
   child = tmp_path / "runs" / fork.name
   assert (child / "checkpoints" / "24000" / "state" / "data").read_text() == "arrays"
   assert [json.loads(line)["step"] for line in (child / "metrics.jsonl").read_text(
@@ -300,8 +300,8 @@ def test_a_fork_is_planned_with_its_parent_and_made_from_its_checkpoint(tmp_path
   other = dataclasses.replace(fork, seed=5)  # its parent finished before keeping the fork point
   (tmp_path / "runs" / capacity.fork_parent(other).name).mkdir()
   (tmp_path / "runs" / capacity.fork_parent(other).name / "records.json").write_text("{}")
-  assert "finished without its step-24000 checkpoint" in repro.make_fork(tmp_path, other,
-                                                                         smoke=False)
+  with pytest.raises(repro.ForkUnavailable, match="finished without its step-24000 checkpoint"):
+    repro.make_fork(tmp_path, other, smoke=False)
 
 
 @pytest.mark.slow
