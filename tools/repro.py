@@ -46,6 +46,7 @@ for _path in (str(_TOOLS.parent), str(_TOOLS)):  # run as a script from a checko
 
 import repro_report  # pylint: disable=wrong-import-position
 import repro_run  # pylint: disable=wrong-import-position
+import repro_state  # pylint: disable=wrong-import-position
 
 from lalte_jax.configs.repro import capacity  # pylint: disable=wrong-import-position
 from lalte_jax.train.checkpointing import CHECKPOINT_DIR  # pylint: disable=wrong-import-position
@@ -155,8 +156,7 @@ def plan(args, records: list[dict]) -> list[capacity.RunSpec]:
 
 def has_checkpoint(directory: pathlib.Path) -> bool:
   """Whether a run directory holds a finished checkpoint (Orbax renames a save when done)."""
-  checkpoints = directory / CHECKPOINT_DIR
-  return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+  return repro_state.checkpoint_step(directory) >= 0
 
 
 class ForkUnavailable(ValueError):
@@ -209,18 +209,20 @@ class Scheduler:
       return float("inf")
     return self.args.budget_s - (time.monotonic() - self.start)
 
-  def pending(self) -> list[capacity.RunSpec]:
-    """The planned runs that can start now (a fork once its directory holds the parent's
-    checkpoint: `make_forks`)."""
-    records = repro_report.load_records(self.out)
-    return [spec for spec in plan(self.args, records)
+  def planned(self) -> list[capacity.RunSpec]:
+    return plan(self.args, repro_report.load_records(self.out))
+
+  def pending(self, specs: list[capacity.RunSpec] | None = None) -> list[capacity.RunSpec]:
+    """The runs of `specs` (default: the plan) that can start now (a fork once its directory
+    holds the parent's checkpoint: `make_forks`)."""
+    return [spec for spec in (self.planned() if specs is None else specs)
             if not is_finished(self.out, spec) and spec.name not in self.running
             and spec.name not in self.failed
             and (spec.model not in capacity.FORKS or has_checkpoint(run_dir(self.out, spec)))]
 
-  def make_forks(self) -> None:
-    """`make_fork` for every planned fork, naming once each that cannot be made."""
-    for spec in plan(self.args, repro_report.load_records(self.out)):
+  def make_forks(self, specs: list[capacity.RunSpec]) -> None:
+    """`make_fork` for every fork of `specs`, naming once each that cannot be made."""
+    for spec in specs:
       if spec.model in capacity.FORKS and spec.name not in self.failed:
         try:
           make_fork(self.out, spec, self.args.smoke)
@@ -271,18 +273,19 @@ class Scheduler:
     finally:  # also on Ctrl-C or an error: no run is left behind
       if self.running:
         self.stop_all()
-      self.make_forks()  # from checkpoints the stopped runs saved, for the next invocation
+      self.make_forks(self.planned())  # from the stopped runs' checkpoints, for the next one
 
   def _schedule(self) -> None:
     while True:
       self.reap()
-      self.make_forks()
+      specs = self.planned()
+      self.make_forks(specs)
       if self.time_left() <= self.args.grace_s:
         if self.running:
           print(f"== budget: stopping {sorted(self.running)}", flush=True)
           self.stop_all()
         return
-      pending = self.pending()
+      pending = self.pending(specs)
       while pending and len(self.running) < self.args.parallel \
           and self.time_left() > self.args.min_start_s:
         self.launch(pending.pop(0))

@@ -81,7 +81,8 @@ def _packed_size(paths) -> int:
   return total
 
 
-def _checkpoint_step(run: pathlib.Path) -> int:
+def checkpoint_step(run: pathlib.Path) -> int:
+  """The step of the newest finished checkpoint in run directory `run`, or -1."""
   steps = [int(p.name) for p in (run / CHECKPOINT_DIR).glob("*") if re.fullmatch(r"\d+", p.name)]
   return max(steps, default=-1)
 
@@ -95,12 +96,12 @@ def select_files(study: pathlib.Path, max_bytes: int) -> tuple[list[pathlib.Path
       continue
     small.append(path)
   for run in sorted((study / RUNS_DIR).glob("*")):
-    if run.is_dir() and not (run / RECORDS_FILE).is_file() and _checkpoint_step(run) >= 0:
+    if run.is_dir() and not (run / RECORDS_FILE).is_file() and checkpoint_step(run) >= 0:
       unfinished.append(run)
-  unfinished.sort(key=_checkpoint_step, reverse=True)  # the most advanced first
+  unfinished.sort(key=checkpoint_step, reverse=True)  # the most advanced first
   chosen, left_out, total = list(small), [], _packed_size(small)
   for run in unfinished:
-    step = run / CHECKPOINT_DIR / str(_checkpoint_step(run))
+    step = run / CHECKPOINT_DIR / str(checkpoint_step(run))
     files = _files(step)
     size = _packed_size(files)
     if total + size > max_bytes:

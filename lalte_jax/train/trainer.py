@@ -105,8 +105,8 @@ class Trainer:
     training source, so a resumed run must be given the same one. A pretokenized corpus sets the
     model's vocabulary unless `model.vocab_size` does (`TrainConfig.with_data_vocab`)."""
     config = config.with_data_vocab()
-    unset = xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU)
-    if config.reproducible and unset and jax.default_backend() == "gpu":
+    unset = config.reproducible and xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU)
+    if unset and jax.default_backend() == "gpu":
       raise ValueError(f"TrainConfig.reproducible: XLA_FLAGS lacks {' '.join(unset)}; XLA reads it"
                        " once, so set it before the first JAX call (python -m lalte_jax.train"
                        " does)")
