@@ -112,11 +112,18 @@ def training_milestones(run_dir: pathlib.Path) -> dict:
 
 def load_records(out: pathlib.Path) -> list[dict]:
   """Every finished run's records under `out/runs`, in name order, each with its
-  `training_milestones` under "milestones"."""
+  `training_milestones` under "milestones"; a run restored from published data
+  (`tools/repro_state.py restore`, "restored" in its records) keeps its published ones."""
   records = []
   for path in sorted((out / RUNS_DIR).glob("*/records.json")):
     record = json.loads(path.read_text())
-    record["milestones"] = training_milestones(path.parent)
+    if record.get("restored"):
+      # Its metrics.jsonl is only the published trajectory (a row every TRAJECTORY_EVERY steps
+      # outside a warm-up's switch): computed from it, left_plateau_step would be rounded up to
+      # the next such row and min_ce_loss taken over those rows alone.
+      record.setdefault("milestones", {})
+    else:
+      record["milestones"] = training_milestones(path.parent)
     records.append(record)
   return records
 

@@ -2,6 +2,7 @@
 
     python tools/repro_state.py pack runs/capacity state/study.tar.gz [--part-mib 15 --max-parts 5]
     python tools/repro_state.py unpack state/study.tar.gz runs/capacity
+    python tools/repro_state.py restore docs/data/capacity_48k runs/capacity
 
 `pack` writes one gzip-compressed tar cut into parts `<dest>.00of03`, `<dest>.01of03`, ... (the part
 and the number of parts) of at most `--part-mib` MiB each. It holds what a later `tools/repro.py`
@@ -10,18 +11,25 @@ checkpoints of unfinished runs only (finished runs need none), and the study's r
 When the unfinished runs' checkpoints do not all fit in `--max-parts` parts, those of the least
 advanced runs are left out (named on stdout): such a run starts again from step 0. `unpack` joins
 the parts of the newest complete set in order and extracts them into a study directory.
+`restore` rebuilds the finished runs of a study's published data (results.json and
+trajectories.json, e.g. docs/data/capacity_48k) in a study directory, so that new runs can be
+reported together with them: each gets its records (marked "restored", with their published
+milestones), its run.json and, as its metrics.jsonl, its published trajectory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import re
+import shutil
 import sys
 import tarfile
 import zlib
 
 RUNS_DIR, RECORDS_FILE = "runs", "records.json"
+RESULTS_FILE, TRAJECTORIES_FILE, METRICS_FILE = "results.json", "trajectories.json", "metrics.jsonl"
 CHECKPOINT_DIR, EXPORT_DIR = "checkpoints", "export"
 MIB = 1 << 20
 
@@ -175,6 +183,78 @@ def unpack(source: pathlib.Path, study: pathlib.Path) -> int:
   return len(parts)
 
 
+def _published(data: pathlib.Path, name: str) -> dict:
+  path = data / name
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} does not exist: {data} is not a study's published data")
+  return json.loads(path.read_text())
+
+
+# What the report ("milestones") and `restore` add to a run's records: the records.json of the
+# study that was published lacks both, yet holds the same run.
+_ADDED_FIELDS = ("milestones", "restored")
+
+
+def _as_run_wrote(record: dict) -> dict:
+  return {key: value for key, value in record.items() if key not in _ADDED_FIELDS}
+
+
+def _same_records(directory: pathlib.Path, record: dict) -> bool:
+  """Whether run directory `directory` holds the records of `record` (restored or not)."""
+  try:
+    stored = json.loads((directory / RECORDS_FILE).read_text())
+  except (OSError, ValueError):  # no records (an unfinished run) or unreadable ones
+    return False
+  return isinstance(stored, dict) and _as_run_wrote(stored) == _as_run_wrote(record)
+
+
+def restore(data: pathlib.Path, study: pathlib.Path) -> list[str]:
+  """Rebuilds in `study` every finished run of the published data `data` (its results.json and
+  trajectories.json): `runs/<name>/records.json` (the published record, milestones included,
+  with "restored": true), run.json and, when the run has a trajectory, metrics.jsonl holding its
+  rows. A run directory that exists already is skipped when it holds the same records, and is an
+  error otherwise (checked before anything is written). Returns the names of the restored runs."""
+  # Lazily: the report and the run's writer import JAX, which pack and unpack do not need.
+  import repro_report  # pylint: disable=import-outside-toplevel
+  import repro_run  # pylint: disable=import-outside-toplevel
+  records = _published(data, RESULTS_FILE)["runs"]
+  curves = _published(data, TRAJECTORIES_FILE)["runs"]
+  runs = study / RUNS_DIR
+  todo, conflicts = [], []
+  for record in records:
+    directory = runs / record["name"]
+    if not directory.exists():
+      todo.append(record)
+    elif _same_records(directory, record):
+      print(f"skipped {record['name']}: {directory} holds these records already")
+    else:
+      conflicts.append(str(directory))
+  if conflicts:
+    raise FileExistsError(f"not overwritten, since they hold another run or an unfinished one,"
+                          f" not the records of {data / RESULTS_FILE}: {', '.join(conflicts)}")
+  for record in todo:
+    name = record["name"]
+    # Built under a temporary name, then renamed: a restore cut short leaves no run directory
+    # that a later restore would take for a real run.
+    partial = runs / f".{name}.restore"
+    shutil.rmtree(partial, ignore_errors=True)
+    repro_run.write_spec(partial, repro_report.record_spec(record),
+                         bool(record.get("smoke", False)))
+    rows = curves.get(name)
+    if rows:
+      (partial / METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+      print(f"{name}: no published trajectory, so no {METRICS_FILE}")
+    (partial / RECORDS_FILE).write_text(json.dumps(dict(record, restored=True), indent=2) + "\n")
+    partial.rename(runs / name)
+  finished = {record["name"] for record in records}
+  unfinished = sorted(name for name in curves if name not in finished)
+  if unfinished:
+    print(f"not restored, unfinished (not in {RESULTS_FILE}): {', '.join(unfinished)}")
+  print(f"restored {len(todo)} of the {len(records)} finished runs of {data} into {runs}")
+  return [record["name"] for record in todo]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
   commands = parser.add_subparsers(dest="command", required=True)
@@ -186,15 +266,21 @@ def main(argv=None) -> int:
   unpack_parser = commands.add_parser("unpack", help="parts -> study directory")
   unpack_parser.add_argument("source", help="path prefix of the parts")
   unpack_parser.add_argument("study")
+  restore_parser = commands.add_parser("restore", help="published data -> finished runs")
+  restore_parser.add_argument("data", help=f"directory of a study's {RESULTS_FILE} and"
+                                           f" {TRAJECTORIES_FILE}")
+  restore_parser.add_argument("study")
   args = parser.parse_args(argv)
   try:
     if args.command == "pack":
       if not (pathlib.Path(args.study) / RUNS_DIR).is_dir():
         raise FileNotFoundError(f"{args.study} holds no {RUNS_DIR}/ directory")
       pack(pathlib.Path(args.study), pathlib.Path(args.dest), args.part_mib, args.max_parts)
-    else:
+    elif args.command == "unpack":
       unpack(pathlib.Path(args.source), pathlib.Path(args.study))
-  except (FileNotFoundError, tarfile.TarError) as error:
+    else:
+      restore(pathlib.Path(args.data), pathlib.Path(args.study))
+  except (FileNotFoundError, FileExistsError, tarfile.TarError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
   return 0

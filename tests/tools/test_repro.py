@@ -4,6 +4,7 @@ the state for another machine, and one smoke run that resumes a partly trained r
 import dataclasses
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -225,6 +226,108 @@ def test_state_packs_small_parts_and_unpacks_what_a_later_invocation_needs(tmp_p
   assert (restored / "runs/ahead/checkpoints/12/state/data").read_bytes() == \
       original.read_bytes()
   assert state.main(["unpack", str(tmp_path / "nothing"), str(restored)]) == 2
+
+
+WARMUP, ATTN, UNFINISHED = ("lalte_warmup_p96_lr0.0005_s0", "gdn_attn_p96_lr0.0005_s0",
+                            "lalte_warmup_p96_lr0.0005_s1")
+
+
+def published_study(tmp_path: pathlib.Path) -> pathlib.Path:
+  """A 48000-step study reported by tools/repro.py (`tmp_path/study`): WARMUP finished with a
+  metrics log of every 50th step (its loss leaves the plateau at step 4950), ATTN finished
+  without one, UNFINISHED has a log but no records; its published results.json and
+  trajectories.json are copied to `tmp_path/published` (as in docs/data/)."""
+  repro, repro_run = load_tool("repro"), load_tool("repro_run")
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  study = tmp_path / "study"
+  write_records(study, [fake_record("lalte_warmup", 5e-4, steps=48000, lte=True),
+                        fake_record("gdn_attn", 5e-4, steps=48000)])
+  for model, seed in (("lalte_warmup", 0), ("gdn_attn", 0), ("lalte_warmup", 1)):
+    spec = capacity.RunSpec(model, 5e-4, seed)
+    repro_run.write_spec(study / "runs" / spec.name, spec, smoke=False)
+  for name in (WARMUP, UNFINISHED):
+    (study / "runs" / name / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": k, "ce_loss": 9.0 if k < 4950 else 8000 / k,
+                    "lte_retained": [[k, 0]], "lte_lambda": [[k / 1e5, 0]]}) + "\n"
+        for k in range(50, 48001, 50)) + json.dumps({"step": 48000, "eval_loss": 1.0}) + "\n")
+  args = repro.parse_args(["--out", str(study), "--models", "gdn_attn,lalte_warmup", "--lrs",
+                           "5e-4", "--seeds", "0", "--control-steps", "0", "--report-only"])
+  repro.report(args, study)
+  published = tmp_path / "published"
+  published.mkdir()
+  for name in ("results.json", "trajectories.json"):
+    (published / name).write_text((study / name).read_text())
+  return published
+
+
+def test_state_restores_the_published_runs_with_their_milestones_and_curves(tmp_path, capsys):
+  state, report = load_tool("repro_state"), load_tool("repro_report")
+  from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel
+  published = published_study(tmp_path)
+  results = json.loads((published / "results.json").read_text())
+  curves = json.loads((published / "trajectories.json").read_text())["runs"]
+  assert len(curves[WARMUP]) > 48 + 1  # the rows every 1000 steps and around the switch
+  study = tmp_path / "restored"
+  capsys.readouterr()
+  assert state.main(["restore", str(published), str(study)]) == 0
+  out = capsys.readouterr().out
+  assert f"{ATTN}: no published trajectory, so no metrics.jsonl" in out
+  assert f"not restored, unfinished (not in results.json): {UNFINISHED}" in out
+  runs = study / "runs"
+  assert sorted(p.name for p in runs.iterdir()) == [ATTN, WARMUP]
+  assert not (runs / ATTN / "metrics.jsonl").exists()
+  assert report.read_spec(runs / WARMUP) == (capacity.RunSpec("lalte_warmup", 5e-4, 0), False)
+  assert report.load_records(study) == [dict(r, restored=True) for r in results["runs"]]
+  # The published milestones are kept: from the restored rows alone the plateau is left later.
+  assert report.load_records(study)[1]["milestones"]["left_plateau_step"] == 4950
+  assert report.training_milestones(runs / WARMUP)["left_plateau_step"] == 5000
+  for name in (ATTN, WARMUP):
+    assert report.trajectory(runs / name) == curves[name]
+
+
+def test_state_restore_skips_the_same_runs_and_never_overwrites_others(tmp_path, capsys):
+  state = load_tool("repro_state")
+  published = published_study(tmp_path)
+  # The study that was published holds the same runs (records without milestones): skipped.
+  original = {p: p.read_bytes() for p in (tmp_path / "study").rglob("*") if p.is_file()}
+  capsys.readouterr()
+  assert state.main(["restore", str(published), str(tmp_path / "study")]) == 0
+  out = capsys.readouterr().out
+  assert f"skipped {WARMUP}: {tmp_path / 'study' / 'runs' / WARMUP} holds these records" in out
+  assert "restored 0 of the 2 finished runs" in out
+  assert {p: p.read_bytes() for p in (tmp_path / "study").rglob("*") if p.is_file()} == original
+  study = tmp_path / "restored"
+  assert state.main(["restore", str(published), str(study)]) == 0
+  assert state.main(["restore", str(published), str(study)]) == 0
+  assert "restored 0 of the 2 finished runs" in capsys.readouterr().out
+  # Another run of the same name (other results): an error naming it, checked before anything
+  # is written.
+  records = json.loads((study / "runs" / WARMUP / "records.json").read_text())
+  (study / "runs" / WARMUP / "records.json").write_text(json.dumps(
+      dict(records, test={"capped_accuracy": 1.0, "uncapped_accuracy": 1.0})))
+  shutil.rmtree(study / "runs" / ATTN)
+  assert state.main(["restore", str(published), str(study)]) == 2
+  error = capsys.readouterr().err
+  assert str(study / "runs" / WARMUP) in error and ATTN not in error
+  assert not (study / "runs" / ATTN).exists()
+  # An unfinished run of the same name: an error too.
+  (study / "runs" / WARMUP / "records.json").write_text(json.dumps(records))
+  (study / "runs" / ATTN).mkdir()
+  (study / "runs" / ATTN / "run.json").write_text("{}")
+  assert state.main(["restore", str(published), str(study)]) == 2
+  assert str(study / "runs" / ATTN) in capsys.readouterr().err
+
+
+def test_state_restore_without_published_data_is_an_error(tmp_path, capsys):
+  state = load_tool("repro_state")
+  data = tmp_path / "data"
+  data.mkdir()
+  assert state.main(["restore", str(data), str(tmp_path / "study")]) == 2
+  assert f"{data / 'results.json'} does not exist" in capsys.readouterr().err
+  (data / "results.json").write_text(json.dumps({"runs": []}))
+  assert state.main(["restore", str(data), str(tmp_path / "study")]) == 2
+  assert f"{data / 'trajectories.json'} does not exist" in capsys.readouterr().err
+  assert not (tmp_path / "study").exists()
 
 
 @pytest.mark.slow
