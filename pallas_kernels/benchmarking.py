@@ -73,6 +73,14 @@ def run_for_seconds(timed: Timed, *, seconds: float) -> None:
     timed.one_pass()
 
 
+def looped_copy(copy: Timed, rounds: int) -> Timed:
+  """A one-argument `copy` (e.g. a jitted `x + 1`) run `rounds` times in one jitted call: the
+  anchor of a looped decode timing, which pays one dispatch per `rounds` steps the same way."""
+  (x,), = copy.input_sets
+  step = copy.fn
+  return Timed(jax.jit(lambda x: jax.lax.fori_loop(0, rounds, lambda _, x: step(x), x)), [(x,)])
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceEvent:
   """One kernel (GPU stream) or XLA thunk (CPU) of a trace, and the HLO instruction it ran."""

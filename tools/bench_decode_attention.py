@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import get_model_config
-from pallas_kernels.benchmarking import Timed, kernel_times, median_ms, paired_ms
+from pallas_kernels.benchmarking import (
+    Timed, kernel_times, looped_copy, median_ms, paired_ms)
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 
@@ -105,13 +106,6 @@ def looped_timed(inputs, implementation, block_sizes, rounds: int) -> Timed:
       return o
     return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros_like(qs[0]))
   return Timed(run_rounds, [inputs])
-
-
-def looped_copy(copy: Timed, rounds: int) -> Timed:
-  """`copy_case()`'s copy, `rounds` times in one jitted call (as `looped_timed`)."""
-  (x,), = copy.input_sets
-  step = copy.fn
-  return Timed(jax.jit(lambda x: jax.lax.fori_loop(0, rounds, lambda _, x: step(x), x)), [(x,)])
 
 
 def time_attention(timed: Timed, calls: int, repeats: int, copy=None):

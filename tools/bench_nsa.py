@@ -20,7 +20,10 @@ Shape (the paper's laNSA): Hq 32, Hkv 2, D 64, block 64, 16 selected blocks, win
 3. Decode: B32, the cache full up to T 4K, 16K, 64K; `--sets` independent caches per jitted call
    (more bytes than L2 holds); GB/s = the bytes a step must read (the complete blocks' means, the
    selected blocks, the window, q) / time, against a jitted `x + 1` over 1 GiB (read + written)
-   timed in alternation.
+   timed in alternation. Three times: one jitted call over the sets per dispatch; the looped
+   decode (`--rounds` rounds over the sets in one call compiled as the model's decode step, so
+   a dispatch is paid once per rounds x sets steps, as in a decode loop; the copy looped alike);
+   and the kernels' GPU time from a profiler trace, with the kernels of a step in the JSON.
 
 FLA 0.6.0's parallel_nsa computes the same semantics (mean-pooled 64-token blocks, compressed
 attention over complete blocks, top-16 with the first, previous and current blocks forced, shared
@@ -45,7 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.benchmarking import Timed, median_ms, paired_ms, run_for_seconds
+from lalte_jax.generate import DECODE_COMPILER_OPTIONS
+from pallas_kernels.benchmarking import (
+    Timed, kernel_times, looped_copy, median_ms, paired_ms, run_for_seconds)
 from pallas_kernels.nsa import (
     NSABlockSizes, compress_prompt, compressed_blocks, pallas, pallas_decode, reference)
 
@@ -234,7 +239,8 @@ def sweep(shape: Shape, args, rows: list) -> None:
 
 
 def decode_case(shape: Shape, context: int, sets: int):
-  """(jitted step over `sets` caches, its inputs, bytes one step must read per cache)."""
+  """(the decode attention of one cache, `sets` caches' inputs, bytes one step must read per
+  cache)."""
   batch, heads, kv_heads, dim = (shape.decode_batch, shape.num_q_heads, shape.num_kv_heads,
                                  shape.head_dim)
   num_blocks = compressed_blocks(context, shape.block_size, shape.blocks)
@@ -253,27 +259,60 @@ def decode_case(shape: Shape, context: int, sets: int):
                    position, jnp.zeros((), jnp.int32)))
   attend = functools.partial(pallas_decode.decode_attention, block_sizes=shape.blocks,
                              **shape.sizes)
-  step = jax.jit(lambda caches: [attend(*c) for c in caches])
   window = min(shape.window_size, context)
   keys_read = shape.block_count * shape.block_size + window + context // shape.block_size
   moved = batch * (kv_heads * keys_read * dim * 2 * 2 + 2 * heads * dim * 2)
-  return step, caches, moved
+  return attend, caches, moved
+
+
+def looped_decode(attend, caches, rounds: int) -> Timed:
+  """`rounds` rounds over every cache in one jitted call, compiled as the model's decode step is
+  (`generate.DECODE_COMPILER_OPTIONS`: every run of kernels a CUDA graph), so that one dispatch
+  is paid per rounds x len(caches) steps, as in a decode loop. Each step's query is chained to
+  the previous output (q + 0 * o), so XLA can neither hoist nor merge the steps."""
+
+  def run_rounds(caches):
+    def one_round(_, o):
+      for q, *rest in caches:
+        o = attend(q + 0 * o, *rest)
+      return o
+    return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros_like(caches[0][0]))
+  return Timed(jax.jit(run_rounds, compiler_options=DECODE_COMPILER_OPTIONS), [(caches,)])
 
 
 def time_decode(shape: Shape, args, rows: list) -> None:
+  """Three times per context, each as bytes / time against a copy timed the same way: one jitted
+  call over `--sets` caches per dispatch (wall), the looped decode (wall), and the kernels'
+  GPU time from a profiler trace (with the kernels of a step, to see where it goes)."""
   x = jnp.ones((2,) if args.smoke else (512, 1024, 1024), jnp.bfloat16)
   copy = Timed(jax.jit(lambda x: x + 1), [(x,)])
+  copy_rounds = looped_copy(copy, args.rounds)
   copy_bytes = 2 * x.size * x.dtype.itemsize
+  on_gpu = jax.default_backend() == "gpu"
+  copy_gpu_gbps = (copy_bytes / kernel_times(copy, passes=5).busy_us / 1e3 if on_gpu
+                   else float("nan"))
   for context in shape.decode_contexts:
-    step, caches, moved = decode_case(shape, context, args.sets)
-    ms, copy_ms = paired_ms(Timed(step, [(caches,)]), copy, warmup=args.warmup,
-                            rounds=args.iters)
+    attend, caches, moved = decode_case(shape, context, args.sets)
+    per_call = Timed(jax.jit(lambda caches: [attend(*c) for c in caches]), [(caches,)])
+    ms, copy_ms = paired_ms(per_call, copy, warmup=args.warmup, rounds=args.iters)
     step_us = 1e3 * ms / args.sets
     gbps, copy_gbps = moved / (step_us * 1e3), copy_bytes / (copy_ms * 1e6)
-    rows.append(dict(kind="decode", batch=shape.decode_batch, context=context, step_us=step_us,
-                     bytes=moved, gb_per_s=gbps, copy_gb_per_s=copy_gbps,
-                     ratio=gbps / copy_gbps))
-    print(json.dumps(rows[-1]), flush=True)
+    looped_ms, looped_copy_ms = paired_ms(looped_decode(attend, caches, args.rounds),
+                                          copy_rounds, warmup=args.warmup, rounds=args.iters)
+    looped_us = 1e3 * looped_ms / (args.rounds * args.sets)
+    looped_copy_gbps = copy_bytes * args.rounds / (looped_copy_ms * 1e6)
+    row = dict(kind="decode", batch=shape.decode_batch, context=context, step_us=step_us,
+               bytes=moved, gb_per_s=gbps, copy_gb_per_s=copy_gbps, ratio=gbps / copy_gbps,
+               rounds=args.rounds, looped_us=looped_us,
+               looped_ratio=moved / (looped_us * 1e3) / looped_copy_gbps)
+    if on_gpu:
+      times = kernel_times(per_call, passes=5)
+      row.update(gpu_us=times.busy_us / args.sets,
+                 gpu_ratio=moved * args.sets / times.busy_us / 1e3 / copy_gpu_gbps,
+                 kernels={name: [launches / args.sets, us / args.sets]
+                          for name, (launches, us) in times.kernels.items()})
+    rows.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def print_table(rows: list, lines: list) -> None:
@@ -287,9 +326,12 @@ def print_table(rows: list, lines: list) -> None:
       print(f"| train {mode} | B{row['batch']} T{row['length']} |"
             f" {row['ours_ms']:.3f} ms{first} | {fla_ms} | {ratio} |")
     else:
+      gpu = (f"; GPU time {row['gpu_us']:.1f} us, {row['gpu_ratio']:.2f} of the copy's"
+             if "gpu_us" in row else "")
       print(f"| decode step | B{row['batch']} context {row['context']} |"
-            f" {row['step_us']:.1f} us, {row['gb_per_s']:.0f} GB/s |"
-            f" {row['copy_gb_per_s']:.0f} GB/s | {row['ratio']:.2f} |")
+            f" {row['step_us']:.1f} us per call, {row['gb_per_s']:.0f} GB/s; looped"
+            f" {row['looped_us']:.1f} us{gpu} | {row['copy_gb_per_s']:.0f} GB/s |"
+            f" {row['ratio']:.2f}; looped {row['looped_ratio']:.2f} |")
   print("\n".join(lines))
 
 
@@ -300,25 +342,31 @@ def main(argv=None) -> int:
   parser.add_argument("--lengths", type=int, nargs="*", help="only these training T")
   parser.add_argument("--no-fla", dest="fla", action="store_false")
   parser.add_argument("--no-parity", dest="parity", action="store_false")
+  parser.add_argument("--no-training", dest="training", action="store_false")
   parser.add_argument("--no-decode", dest="decode", action="store_false")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--warmup-s", type=float, default=2.0,
                       help="seconds of our calls before each pairing (GPU clocks)")
   parser.add_argument("--sets", type=int, default=4, help="decode caches per timed call")
+  parser.add_argument("--rounds", type=int, default=8,
+                      help="rounds over the sets per jitted call in the looped decode timing")
   parser.add_argument("--sweep", action="store_true",
                       help="time ours for each launch-parameter candidate of SWEEP (no FLA)")
   parser.add_argument("--json", help="also write the rows and parity lines here")
   args = parser.parse_args(argv)
   shape = SMOKE if args.smoke else Shape()
   if args.smoke:
-    args.fla, args.warmup, args.iters, args.warmup_s, args.sets = False, 1, 2, 0.0, 2
+    args.fla, args.warmup, args.iters, args.warmup_s, args.sets, args.rounds = (
+        False, 1, 2, 0.0, 2, 2)
   if args.lengths:
     shape = dataclasses.replace(shape, lengths=tuple(args.lengths))
   print(f"devices: {jax.devices()}, jax {jax.__version__}", flush=True)
   rows, lines = [], []
   steps = [("parity", lambda: lines.extend(parity(shape, args.fla)))] if args.parity else []
-  steps.append(("training", lambda: (sweep if args.sweep else time_training)(shape, args, rows)))
+  if args.training:
+    steps.append(("training",
+                  lambda: (sweep if args.sweep else time_training)(shape, args, rows)))
   if args.decode:
     steps.append(("decode", lambda: time_decode(shape, args, rows)))
   for name, run in steps:

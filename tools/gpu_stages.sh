@@ -33,6 +33,8 @@
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
 #              and with XLA's default CUDA-graph size (~4 min)
+#   nsadecode  NSA decoding: the decode kernels' GPU parity tests, the decode attention's timings
+#              at 4K-64K (tools/bench_nsa.py) and the lansa-1.4b decode step at 4K and 64K (~5 min)
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
@@ -42,7 +44,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -58,7 +60,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -203,6 +205,14 @@ case "$stage" in
         --compiler-option xla_gpu_graph_min_graph_size=5 \
         --json "$dest/decode_b${batch}_graphs5.json"
     done
+    ;;
+  nsadecode)
+    step 200 python3 -m pytest -q -m gpu tests/pallas_kernels/test_nsa_pallas.py -k decode \
+      -p no:cacheprovider
+    step 150 python3 tools/bench_nsa.py --no-fla --no-parity --no-training \
+      --json "$dest/nsa_decode.json"
+    step 150 python3 tools/bench_decode.py --presets lansa-1.4b --contexts 4096 65536 --batch 32 \
+      --param-dtype bfloat16 --json "$dest/decode_lansa.json"
     ;;
   serving)
     # The serving table (tools/bench_serving.py): prefill tokens/s, decode ms per step against

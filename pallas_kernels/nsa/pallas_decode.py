@@ -1,18 +1,22 @@
 """`implementation="pallas"` of NSA decoding: one query per batch row against the caches.
 
-    o_cmp, scores = compressed attention at each row's position, split-K   (first kernel below)
-    selection = top block_count of the importance from the scores          (XLA, small)
-    o_slc, o_swa = the selected blocks and the window, split-K             (second kernel below)
-    o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa                            (XLA)
+    partials, scores = compressed attention at each row's position, split-K      (first kernel)
+    o_cmp, selection = the partials merged, the importance from the scores, top-n (second)
+    o_slc, o_swa = the selected blocks and the window, split-K                   (third)
+    o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa                                  (XLA)
 
 The compressed keys come from the compressed cache (a block is pooled once, when it completes),
 so a step reads the complete blocks' means, the block_count selected blocks and the window, and
 nothing else of the cache. Both kernels run a program per (batch row, KV head, split) whose rows
 are the KV head's G query heads (each tile is read once for the group); split s takes every
 `decode_splits`-th tile of compressed keys, or selected block and window tile, so that a batch of
-32 rows still keeps every core busy. The splits' partial softmaxes are merged in XLA; the first
-kernel also writes each head's compressed scores, from which XLA forms the block importance
-(`reference.block_importance`, [B, Hq, N] numbers per step) for the top-n. The caches are stacked
+32 rows still keeps every core busy. The first kernel also writes each head's compressed scores;
+the second, a program per (batch row, KV head), merges the first's partial softmaxes, forms the
+block importance from the scores as `reference.block_importance` does and takes its top-n as
+`selection.select_top_blocks` does (the lower block first among equal importances), so that
+the step between the attention kernels is one launch instead of a chain of small XLA kernels
+(merge, importance, top-k, counts). The third kernel's partials are merged in XLA with the
+gates. The caches are stacked
 over layer groups ([G, B, ...]) and passed whole; the kernels read the group index from an int32
 [1] operand and index group g's rows themselves, so no slice of the cache is made for the call.
 """
@@ -29,7 +33,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.nsa import reference, selection
 from pallas_kernels.nsa.tiling import NSABlockSizes, Problem, check_supported
 from pallas_kernels.pallas_common import (
-    cdiv, dot_nt, interpret_mode, merge_splits, softmax_start, softmax_step,
+    cdiv, dot_nt, interpret_mode, merge_splits, next_power_of_two, softmax_start, softmax_step,
     triton_compiler_params)
 from pallas_kernels.stacked import group_operand
 
@@ -111,6 +115,48 @@ def _selected_window_kernel(group_ref, position_ref, idx_ref, count_ref, q_ref, 
       o_swa_ref, max_swa_ref, sum_swa_ref)
 
 
+def _merge_partials(acc_ref, max_ref, sum_ref, splits: int):
+  """(o [G, Dv] float32, lse2 [G]) of a program's G rows from `splits` partial softmaxes in the
+  exp2 domain (as `merge_splits`); a row that saw no key gets o = 0 and lse2 = -inf. One load per
+  split: Pallas-Triton cannot slice a loaded value."""
+  max_rows = [max_ref[split] for split in range(splits)]
+  total_max_G = functools.reduce(jnp.maximum, max_rows)
+  weights = [jnp.exp2(row - total_max_G) for row in max_rows]
+  total_sum_G = sum(weight * sum_ref[split] for split, weight in enumerate(weights))
+  acc_GV = sum(weight[:, None] * acc_ref[split] for split, weight in enumerate(weights))
+  o_GV = acc_GV / jnp.where(total_sum_G > 0, total_sum_G, 1.0)[:, None]
+  return o_GV, total_max_G + jnp.log2(total_sum_G)
+
+
+def _select_kernel(position_ref, acc_ref, max_ref, sum_ref, scores_ref, o_ref, idx_ref,
+                   count_ref, *, problem: Problem, splits: int):
+  position = position_ref[0]
+  o_GV, lse_G = _merge_partials(acc_ref, max_ref, sum_ref, splits)
+  o_ref[...] = o_GV
+  # reference.block_importance: the group's probabilities of complete earlier blocks, the group
+  # size for the forced blocks (first, previous, current), -inf past the current block.
+  current = position // problem.block_size
+  num_padded = scores_ref.shape[-1]
+  block_N = jnp.arange(num_padded, dtype=jnp.int32)
+  probs_GN = jnp.where(block_N[None, :] < (position + 1) // problem.block_size,
+                       jnp.exp2(scores_ref[...] - lse_G[:, None]), 0.0)
+  forced_N = (block_N == 0) | (block_N == current - 1) | (block_N == current)
+  importance_N = jnp.where(forced_N, float(problem.group), jnp.sum(probs_GN, axis=0))
+  importance_N = jnp.where(block_N <= current, importance_N, -jnp.inf)
+  # selection.select_top_blocks: the block_count largest, the lower block first among equal
+  # ones, NO_BLOCK (-1) in the slots past the valid blocks.
+  slot_S = jnp.arange(idx_ref.shape[-1], dtype=jnp.int32)
+  indices_S = jnp.full(slot_S.shape, selection.NO_BLOCK, jnp.int32)
+  for slot in range(problem.block_count):  # static: block_count top-1 rounds
+    top = jnp.max(importance_N)
+    block = jnp.min(jnp.where(importance_N == top, block_N, num_padded))
+    indices_S = jnp.where(slot_S == slot,
+                          jnp.where(top > -jnp.inf, block, selection.NO_BLOCK), indices_S)
+    importance_N = jnp.where(block_N == block, -jnp.inf, importance_N)
+  idx_ref[...] = indices_S
+  count_ref[...] = jnp.sum((indices_S >= 0).astype(jnp.int32), keepdims=True)
+
+
 def _partial_specs(problem: Problem, splits: int, batch: int, value_dim: int):
   """Out specs and shapes of one branch's split partials: acc [B, splits, Hq, Dv], max, sum."""
   group, num_q_heads = problem.group, problem.num_q_heads
@@ -134,12 +180,17 @@ def _call(problem: Problem, blocks: NSABlockSizes, kernel, name: str, *, in_spec
       interpret=problem.interpret, name=name)
 
 
-def _compressed(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD,
-                position_B, group_1):
-  """(o_cmp [B, Hq, Dv] float32, block importance [B, 1, Hkv, N])."""
+def _compressed_and_select(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_GBNKD,
+                           v_cmp_GBNKD, position_B, group_1):
+  """(o_cmp [B, Hq, Dv] float32, selected blocks int32 [B, Hkv, S] (S >= block_count, a power
+  of two; NO_BLOCK past the valid ones), their counts int32 [B * Hkv])."""
   batch, num_q_heads, head_dim = q_BHD.shape
   group, num_blocks, value_dim = problem.group, k_cmp_GBNKD.shape[2], v_cmp_GBNKD.shape[-1]
   splits = blocks.decode_splits
+  # Triton blocks are powers of two: the select kernel reads every head's scores of the group
+  # in one block of the padded length (the first kernel leaves the padding unwritten; the
+  # select kernel masks it with the blocks past the complete ones).
+  padded_blocks = next_power_of_two(num_blocks)
   specs, shapes = _partial_specs(problem, splits, batch, value_dim)
   *partials, scores_BHN = _call(
       problem, blocks,
@@ -149,23 +200,34 @@ def _compressed(problem: Problem, blocks: NSABlockSizes, q_BHD, k_cmp_GBNKD, v_c
       in_specs=[pl.no_block_spec, pl.BlockSpec((1,), lambda b, h, s: (b,)),
                 pl.BlockSpec((None, group, head_dim), lambda b, h, s: (b, h, 0)),
                 pl.no_block_spec, pl.no_block_spec],
-      out_specs=specs + [pl.BlockSpec((None, group, num_blocks), lambda b, h, s: (b, h, 0))],
-      out_shape=shapes + [jax.ShapeDtypeStruct((batch, num_q_heads, num_blocks), jnp.float32)],
+      out_specs=specs + [pl.BlockSpec((None, group, padded_blocks), lambda b, h, s: (b, h, 0))],
+      out_shape=shapes + [jax.ShapeDtypeStruct((batch, num_q_heads, padded_blocks),
+                                               jnp.float32)],
   )(group_1, position_B, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD)
-  o_cmp_BHD, lse_BH = merge_splits(*partials, base2=True)
-  # Blocks past the complete ones were not written (their scores are garbage): select them away.
-  complete_B11 = ((position_B + 1) // problem.block_size)[:, None, None]
-  probs_BHN = jnp.where(jnp.arange(num_blocks) < complete_B11,
-                        jnp.exp2(scores_BHN - lse_BH[..., None]), 0.0)
-  importance_B1KN = reference.block_importance(
-      probs_BHN[:, None], num_kv_heads=problem.num_kv_heads, block_size=problem.block_size,
-      position_BT=position_B[:, None])
-  return o_cmp_BHD, importance_B1KN
+  slots = next_power_of_two(problem.block_count, minimum=1)
+  num_kv_heads = problem.num_kv_heads
+  partial_in = [pl.BlockSpec((None, splits, group, value_dim), lambda b, h: (b, 0, h, 0)),
+                pl.BlockSpec((None, splits, group), lambda b, h: (b, 0, h)),
+                pl.BlockSpec((None, splits, group), lambda b, h: (b, 0, h))]
+  return pl.pallas_call(
+      functools.partial(_select_kernel, problem=problem, splits=splits),
+      grid=(batch, num_kv_heads),
+      in_specs=[pl.BlockSpec((1,), lambda b, h: (b,))] + partial_in + [
+          pl.BlockSpec((None, group, padded_blocks), lambda b, h: (b, h, 0))],
+      out_specs=[pl.BlockSpec((None, group, value_dim), lambda b, h: (b, h, 0)),
+                 pl.BlockSpec((None, None, slots), lambda b, h: (b, h, 0)),
+                 pl.BlockSpec((1,), lambda b, h: (b * num_kv_heads + h,))],
+      out_shape=[jax.ShapeDtypeStruct((batch, num_q_heads, value_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, slots), jnp.int32),
+                 jax.ShapeDtypeStruct((batch * num_kv_heads,), jnp.int32)],
+      compiler_params=triton_compiler_params(blocks.num_warps, 1),
+      interpret=problem.interpret, name="nsa_decode_select",
+  )(position_B, *partials, scores_BHN)
 
 
 def _selected_and_window(problem: Problem, blocks: NSABlockSizes, q_BHD, k_GBSKD, v_GBSKD,
                          indices_BKS, counts_BK, position_B, group_1, window_size: int):
-  """(o_slc, o_swa) [B, Hq, Dv] float32, merged over the splits."""
+  """(o_slc, o_swa) [B, Hq, Dv] float32, merged over the splits; counts_BK flat [B * Hkv]."""
   batch, _, head_dim = q_BHD.shape
   num_kv_heads, splits = problem.num_kv_heads, blocks.decode_splits
   specs, shapes = _partial_specs(problem, splits, batch, v_GBSKD.shape[-1])
@@ -180,7 +242,7 @@ def _selected_and_window(problem: Problem, blocks: NSABlockSizes, q_BHD, k_GBSKD
                 pl.BlockSpec((None, problem.group, head_dim), lambda b, h, s: (b, h, 0)),
                 pl.no_block_spec, pl.no_block_spec],
       out_specs=specs * 2, out_shape=shapes * 2,
-  )(group_1, position_B, indices_BKS, counts_BK.reshape(-1), q_BHD, k_GBSKD, v_GBSKD)
+  )(group_1, position_B, indices_BKS, counts_BK, q_BHD, k_GBSKD, v_GBSKD)
   return (merge_splits(*partials[:3], base2=True)[0],
           merge_splits(*partials[3:], base2=True)[0])
 
@@ -213,11 +275,10 @@ def decode_attention(q_BHD, gates_BH3, k_GBSKD, v_GBSKD, k_cmp_GBNKD, v_cmp_GBNK
       interpret=interpret)
   position_B = position_B.astype(jnp.int32)
   group_1 = group_operand(group)
-  o_cmp_BHD, importance_B1KN = _compressed(problem, block_sizes, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD,
-                                           position_B, group_1)
-  indices_B1KS, counts_B1K = selection.select_top_blocks(importance_B1KN, block_count)
+  o_cmp_BHD, indices_BKS, counts_BK = _compressed_and_select(
+      problem, block_sizes, q_BHD, k_cmp_GBNKD, v_cmp_GBNKD, position_B, group_1)
   o_slc_BHD, o_swa_BHD = _selected_and_window(
-      problem, block_sizes, q_BHD, k_GBSKD, v_GBSKD, indices_B1KS[:, 0], counts_B1K[:, 0],
-      position_B, group_1, window_size)
+      problem, block_sizes, q_BHD, k_GBSKD, v_GBSKD, indices_BKS, counts_BK, position_B,
+      group_1, window_size)
   return reference.gated_sum(gates_BH3.astype(jnp.float32), o_cmp_BHD, o_slc_BHD,
                              o_swa_BHD).astype(q_BHD.dtype)

@@ -201,6 +201,36 @@ def _decode_inputs(seed, prompt_lengths, steps, max_length, block_size=BLOCK_SIZ
   return inputs, lengths, caches
 
 
+@pytest.mark.parametrize("positions", [(200, 95), (15, 47)])
+def test_decode_select_kernel_equals_reference_selection(positions):
+  """The decode's select kernel (partials merged, importance, top-n) against the reference's
+  compressed attention, block_importance and select_top_blocks, float32: 13 and 6 complete blocks
+  for a top-5, so the order matters, with the forced blocks tied at the group size (the lower
+  block first); a row before its second block (position 15) selects fewer than block_count."""
+  block_count, num_blocks = 5, compressed_blocks(256, BLOCK_SIZE, BLOCKS)
+  rng = np.random.default_rng(7)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q_BHD, position_B = normal(2, 4, 16), jnp.asarray(positions, jnp.int32)
+  k_cmp_BNKD, v_cmp_BNKD = 2.0 * normal(2, num_blocks, 2, 16), normal(2, num_blocks, 2, 16)
+  problem = make_problem(
+      (2, 1, 4, 16), (2, 256, 2, 16), block_size=BLOCK_SIZE, block_count=block_count,
+      scale=0.25, blocks=BLOCKS, interpret=True)
+  o_cmp_BHD, indices_BKS, counts_BK = jax.jit(functools.partial(
+      pallas_decode._compressed_and_select, problem, BLOCKS))(  # pylint: disable=protected-access
+          q_BHD, k_cmp_BNKD[None], v_cmp_BNKD[None], position_B, jnp.zeros((1,), jnp.int32))
+  for row, position in enumerate(positions):
+    o_ref, probs = reference.compressed_attention(
+        q_BHD[row][None, None], k_cmp_BNKD[row][None], v_cmp_BNKD[row][None],
+        block_size=BLOCK_SIZE, scale=0.25, query_offset=position)
+    importance = reference.block_importance(probs, num_kv_heads=2, block_size=BLOCK_SIZE,
+                                            position_BT=jnp.asarray([[position]]))
+    want_indices, want_counts = selection.select_top_blocks(importance, block_count)
+    assert_close(o_cmp_BHD[row], o_ref[0, 0], jnp.float32, name=f"o_cmp row {row}")
+    np.testing.assert_array_equal(indices_BKS[row, :, :block_count], want_indices[0, 0])
+    assert (np.asarray(indices_BKS[row, :, block_count:]) == selection.NO_BLOCK).all()
+    np.testing.assert_array_equal(counts_BK.reshape(2, 2)[row], want_counts[0, 0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "pallas", "reference"])
 def test_decode_equals_full_forward(implementation):
@@ -267,7 +297,8 @@ def test_kernels_lower_to_triton():
       (grads, (q, k, k, gates), {"nsa_compressed_fwd", "nsa_compressed_dq", "nsa_compressed_dkdv",
                                  "nsa_selected_fwd", "nsa_selected_dq", "nsa_selected_dkdv",
                                  "masked_attention_fwd"}),
-      (decode, decode_args, {"nsa_decode_compressed", "nsa_decode_selected_window"})):
+      (decode, decode_args, {"nsa_decode_compressed", "nsa_decode_select",
+                             "nsa_decode_selected_window"})):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert kernels <= set(re.findall(r'name = "([a-z_]+)"', text))
 

@@ -15,6 +15,8 @@ def test_smoke_run_reports_every_part(tmp_path, capsys):
   modes = [(row["kind"], row.get("mode")) for row in result["rows"]]
   assert modes == [("train", "fwd"), ("train", "fwd+bwd"), ("decode", None)]
   assert all(row.get("ours_ms", row.get("step_us", 0)) > 0 for row in result["rows"])
+  decode = result["rows"][-1]
+  assert decode["looped_us"] > 0 and decode["looped_ratio"] > 0 and decode["rounds"] == 2
   (parity,) = result["parity"]
   errors = [float(part.split()[-1]) for part in parity.split(": ")[1].split(", ")]
   assert len(errors) == 5 and max(errors) < 2e-2, parity  # bf16 inputs vs float32 reference
