@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 MixerKind = Literal["gdn", "attention", "lte", "nsa"]
 MIXER_KINDS = ("gdn", "attention", "lte", "nsa")
-RematPolicy = Literal["none", "block", "dots"]
+RematPolicy = Literal["none", "block", "dots", "attention"]
+REMAT_POLICIES = ("none", "block", "dots", "attention")
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -187,6 +188,8 @@ class ModelConfig:
   dtype: str = "float32"  # activations and matmuls; parameters float32 (bfloat16 matrices
   # for serving: lalte_jax.inference.param_dtype)
   scan_layers: bool = True  # scan over the repeated group of layers (compile time flat in depth)
+  # Recompute in the backward pass: "block" each layer group, "dots" the group but its matmuls'
+  # outputs, "attention" the group but the attention kernels' outputs (HybridLM._run_groups).
   remat: RematPolicy = "none"
   max_position_embeddings: int = 4096
 
@@ -214,8 +217,8 @@ class ModelConfig:
                f" hidden_size={self.hidden_size} (key_dim = hidden, expand_k = 1)")
     _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
              f"must be float32, bfloat16 or float16, got {self.dtype!r}")
-    _require(self.remat in ("none", "block", "dots"), "model.remat",
-             f"must be 'none', 'block' or 'dots', got {self.remat!r}")
+    _require(self.remat in REMAT_POLICIES, "model.remat",
+             f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
 
   @property
   def compute_dtype(self) -> jnp.dtype:

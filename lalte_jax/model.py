@@ -34,6 +34,7 @@ from lalte_jax.mixers.attention import Attention
 from lalte_jax.mixers.gdn import GatedDeltaNet
 from lalte_jax.mixers.lte import LTEAttention, RoutingControls, retention_count
 from lalte_jax.mixers.nsa import NativeSparseAttention
+from pallas_kernels.pallas_common import KERNEL_OUTPUT
 
 MIXERS = {"gdn": GatedDeltaNet, "attention": Attention, "lte": LTEAttention,
           "nsa": NativeSparseAttention}
@@ -49,6 +50,17 @@ class ModelAux:
   """
   lte_scores: jax.Array | None
   lte_retained: jax.Array | None
+
+
+# ModelConfig.remat -> the jax.checkpoint policy of a layer group (None: recompute all of it).
+# "attention" keeps the attention kernels' outputs (output and logsumexp, which their backward
+# kernels read), so the backward pass does not run the forward kernels again: the costliest part
+# of a group's recompute (laNSA's selected branch above all).
+REMAT_CHECKPOINT_POLICIES = {
+    "block": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention": jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT),
+}
 
 
 class Block(nnx.Module):
@@ -164,11 +176,8 @@ class HybridLM(nnx.Module):
     def one_group(h, state, key):
       return nnx.merge(graphdef, state)(h, key, routing)
 
-    if self.config.remat == "block":
-      one_group = jax.checkpoint(one_group)
-    elif self.config.remat == "dots":
-      one_group = jax.checkpoint(
-          one_group, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if self.config.remat != "none":
+      one_group = jax.checkpoint(one_group, policy=REMAT_CHECKPOINT_POLICIES[self.config.remat])
 
     if self.config.scan_layers:
       def body(h, xs):

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -27,6 +28,17 @@ MIN_DOT_DIM = 16
 LOG2_E = math.log2(math.e)
 # pallas.triton.dot since JAX 0.10 (pallas.dot is deprecated there); older versions: pallas.dot.
 triton_dot = getattr(pltriton, "dot", None) or pl.dot
+
+
+# The name the attention kernels' custom VJPs give their forward outputs (output, logsumexp): a
+# `jax.checkpoint` whose policy saves this name (`save_kernel_outputs`) keeps them for the
+# backward pass instead of running the forward kernels again (ModelConfig.remat = "attention").
+KERNEL_OUTPUT = "attention_kernel_output"
+
+
+def save_kernel_outputs(*outputs):
+  """`outputs` named KERNEL_OUTPUT for a remat policy (the identity otherwise)."""
+  return tuple(checkpoint_name(x, KERNEL_OUTPUT) for x in outputs)
 
 
 def interpret_mode() -> bool:

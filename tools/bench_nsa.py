@@ -15,8 +15,9 @@ Shape (the paper's laNSA): Hq 32, Hkv 2, D 64, block 64, 16 selected blocks, win
 2. Training: B x T = 32K tokens at T 4K, 8K, 16K; "fwd" is one jitted call, "fwd+bwd" one that
    also returns the gradients of q, k, v and the gates; ours and FLA timed in alternation
    (`pallas_kernels.benchmarking.paired_ms`, FLA synced with torch.cuda.synchronize), and the
-   first call's seconds (compilation included). `--sweep`
-   times ours alone for each NSABlockSizes candidate of SWEEP instead.
+   first call's seconds (compilation included); on a GPU also our kernels' GPU time per call
+   (a profiler trace). `--sweep` times ours alone for each NSABlockSizes candidate of SWEEP
+   instead.
 3. Decode: B32, the cache full up to T 4K, 16K, 64K; `--sets` independent caches per jitted call
    (more bytes than L2 holds); GB/s = the bytes a step must read (the complete blocks' means, the
    selected blocks, the window, q) / time, against a jitted `x + 1` over 1 GiB (read + written)
@@ -219,7 +220,18 @@ def time_training(shape: Shape, args, rows: list) -> None:
         ms, fla_ms = paired_ms(ours_timed, fla_timed, warmup=args.warmup, rounds=args.iters)
         rows.append(dict(kind="train", batch=batch, length=length, mode=mode, ours_ms=ms,
                          fla_ms=fla_ms, ratio=ms / fla_ms, first_call_s=first_call_s))
+      if jax.default_backend() == "gpu":  # which kernels take the time (profiler trace)
+        rows[-1]["kernels"] = kernel_breakdown(ours_timed)
       print(json.dumps(rows[-1]), flush=True)
+
+
+def kernel_breakdown(timed: Timed, passes: int = 3, top: int = 12) -> dict:
+  """{kernel: [launches, GPU us]} per call of the `top` kernels by GPU time, and the sum of all
+  under "total"."""
+  times = kernel_times(timed, passes=passes)
+  kernels = {name: [launches, round(us, 2)]
+             for name, (launches, us) in list(times.kernels.items())[:top]}
+  return dict(kernels, total=[sum(n for n, _ in times.kernels.values()), round(times.busy_us, 2)])
 
 
 def sweep(shape: Shape, args, rows: list) -> None:

@@ -79,6 +79,8 @@ from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
 
 xla_flags.apply_workarounds()  # children inherit the environment
 
+from lalte_jax.config import REMAT_POLICIES  # pylint: disable=wrong-import-position
+
 from bench_train import table_cell  # pylint: disable=wrong-import-position
 from trainer_runs import (  # pylint: disable=wrong-import-position  # tools/trainer_runs.py
     ProcessGroups, mesh_settings, read_records, run_trainer, visible_gpus)
@@ -109,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=8, help="steps per case, warm-up included")
   parser.add_argument("--warmup", type=int, default=3,
                       help="first steps left out of the timing (the first one compiles)")
-  parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+  parser.add_argument("--remat", default="attention", choices=REMAT_POLICIES)
   parser.add_argument("--mesh", default="data", choices=("data", "fsdp"),
                       help="split the batch only (data) or also the parameters and moments (fsdp)")
   parser.add_argument("--deterministic", action="store_true",

@@ -60,6 +60,8 @@ from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
 
 xla_flags.apply_workarounds()  # before JAX creates a backend
 
+from lalte_jax.config import REMAT_POLICIES  # pylint: disable=wrong-import-position
+
 DEFAULT_PRESETS = ("lalte-0.4b", "lansa-0.4b", "nsa-0.4b", "gdn_swa-0.4b", "gdn_attn-0.4b")
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -72,7 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--batch", type=int, default=1,
                       help="sequences per device per micro-batch")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
-  parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+  # "attention" measured fastest at the 0.4b presets (H200, 2026-11-28: lansa +8%, gdn_swa +2%
+  # against "block", 0.4-1.1 GiB more memory; docs/benchmarks.md section 5).
+  parser.add_argument("--remat", default="attention", choices=REMAT_POLICIES)
   parser.add_argument("--lte_kept_fraction", type=float, default=None,
                       help="shift the LTE routers' output biases so that this fraction of the"
                            " tokens is kept per layer and head on the bench batch (the state the"

@@ -18,7 +18,7 @@ import pathlib
 import sys
 import typing
 
-from lalte_jax.config import ModelConfig
+from lalte_jax.config import REMAT_POLICIES, ModelConfig
 from lalte_jax.data import curricula, pretokenized
 from lalte_jax.presets import SIZES, VARIANTS, get_model_config
 from lalte_jax.train import model_overrides as overrides_lib
@@ -158,8 +158,8 @@ class TrainConfig:
     _require(self.variant in VARIANTS, "variant", f"{self.variant!r} is not one of {VARIANTS}")
     _require(self.size in SIZES, "size", f"{self.size!r} is not one of {SIZES}")
     _require(self.model_dtype in DTYPES, "model_dtype", f"{self.model_dtype!r} not in {DTYPES}")
-    _require(self.remat in ("none", "block", "dots"), "remat",
-             f"{self.remat!r} is not 'none', 'block' or 'dots'")
+    _require(self.remat in REMAT_POLICIES, "remat",
+             f"{self.remat!r} is not one of {REMAT_POLICIES}")
     try:
       curriculum = curricula.curriculum_name(self.data)
     except ValueError as error:

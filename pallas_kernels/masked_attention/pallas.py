@@ -24,7 +24,8 @@ from pallas_kernels.masked_attention.pallas_backward import (
     backward_dkdv_kept, backward_dkdv_window)
 from pallas_kernels.masked_attention.pallas_forward import backward_dq, forward
 from pallas_kernels.masked_attention.tiling import BlockSizes, Problem
-from pallas_kernels.pallas_common import interpret_mode, is_power_of_two, round_up
+from pallas_kernels.pallas_common import (
+    interpret_mode, is_power_of_two, round_up, save_kernel_outputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -43,7 +44,7 @@ def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, c
   if kept is not None:  # the K/V copies that forward, dq and the kept dk/dv kernels read
     kept = compaction.KeptList(kept.positions_BKC,
                                *compaction.gather_kept(k, v, kept.positions_BKC))
-  o, lse = forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd)
+  o, lse = save_kernel_outputs(*forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd))
   return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, counts_dkv, o, lse)
 
 

@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.nsa.tiling import NSABlockSizes, Problem
 from pallas_kernels.pallas_common import (
-    cdiv, dkdv_step, dot_nt, dq_step, probabilities, softmax_finish, softmax_start, softmax_step,
-    triton_compiler_params)
+    cdiv, dkdv_step, dot_nt, dq_step, probabilities, save_kernel_outputs, softmax_finish,
+    softmax_start, softmax_step, triton_compiler_params)
 
 
 def _row_positions(problem: Problem, first_pos, positions: int):
@@ -248,7 +248,7 @@ def compressed_attention(problem: Problem, blocks: NSABlockSizes, q, k_cmp, v_cm
 
 
 def _compressed_fwd(problem, blocks, q, k_cmp, v_cmp):
-  o, lse, importance = forward(problem, blocks, q, k_cmp, v_cmp)
+  o, lse, importance = save_kernel_outputs(*forward(problem, blocks, q, k_cmp, v_cmp))
   return (o, importance), (q, k_cmp, v_cmp, o, lse)
 
 

@@ -25,8 +25,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.nsa import selection
 from pallas_kernels.nsa.tiling import NSABlockSizes, Problem
 from pallas_kernels.pallas_common import (
-    cdiv, dkdv_step, dot_nt, dq_step, probabilities, softmax_finish, softmax_start, softmax_step,
-    triton_compiler_params)
+    cdiv, dkdv_step, dot_nt, dq_step, probabilities, save_kernel_outputs, softmax_finish,
+    softmax_start, softmax_step, triton_compiler_params)
 
 
 def _selected_blocks(problem: Problem, idx_ref, count_ref, k_ref, v_ref, visit, carry):
@@ -181,7 +181,7 @@ def selected_attention(problem: Problem, blocks: NSABlockSizes, q, k, v, indices
 
 
 def _selected_fwd(problem, blocks, q, k, v, indices, counts):
-  o, lse = forward(problem, blocks, q, k, v, indices, counts)
+  o, lse = save_kernel_outputs(*forward(problem, blocks, q, k, v, indices, counts))
   return o, (q, k, v, indices, counts, o, lse)
 
 

@@ -1,15 +1,18 @@
 """HybridLM on every tiny preset: causality, jitted forward/backward, scan vs loop, input checks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from lalte_jax.config import get_model_config
+from lalte_jax.config import REMAT_POLICIES, get_model_config
 from lalte_jax.loss import next_token_cross_entropy
-from lalte_jax.model import HybridLM
+from lalte_jax.model import REMAT_CHECKPOINT_POLICIES, HybridLM
 from lalte_jax.presets import VARIANTS
+from pallas_kernels.nsa import nsa_attention
 
 TINY = [f"{v}-tiny" for v in VARIANTS]
 
@@ -94,17 +97,48 @@ def test_scanned_and_unscanned_stacks_agree(name):
                                atol=1e-6)
 
 
-def test_remat_policies_give_the_same_gradients():
-  config = get_model_config("lalte-tiny")
+@pytest.mark.parametrize("preset, kernels", [("lalte-tiny", False), ("lansa-tiny", True)])
+def test_remat_policies_give_the_same_gradients(preset, kernels):
+  """Every remat policy computes the same gradients; lansa-tiny on its Pallas kernels (interpret
+  mode), whose outputs the "attention" policy keeps."""
+  config = get_model_config(preset)
+  if kernels:
+    config = config.replace(nsa=dataclasses.replace(config.nsa, implementation="pallas"))
   tokens = random_tokens(0, 1, 64, config.vocab_size)
   grads = {}
-  for remat in ("none", "block", "dots"):
+  for remat in REMAT_POLICIES:
     model = HybridLM(config.replace(remat=remat), rngs=nnx.Rngs(0))
     grad = nnx.jit(nnx.grad(lambda m, t: next_token_cross_entropy(m(t), t)))
     grads[remat] = jax.tree.leaves(nnx.state(grad(model, tokens), nnx.Param))
-  for remat in ("block", "dots"):
+  for remat in REMAT_POLICIES[1:]:
     for g, ref in zip(grads[remat], grads["none"]):
       np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-5, atol=1e-7)
+
+
+def test_attention_remat_keeps_the_kernels_outputs(capsys):
+  """Under the "attention" policy the backward pass reads the NSA forward kernels' outputs (the
+  output and logsumexp of the window, compressed and selected branches, and the importance)
+  instead of running the kernels again; under "block" it keeps none of them."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 48, 4, 16)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((1, 48, 2, 16)), jnp.float32)
+  gates = jnp.full((1, 48, 4, 3), 0.5)
+
+  def nsa(q, k, v):
+    return nsa_attention(jnp.tanh(q), k, v, gates, block_size=16, block_count=2, window_size=20,
+                         implementation="pallas").sum()
+
+  kept = {}
+  for remat in ("block", "attention"):
+    jax.ad_checkpoint.print_saved_residuals(
+        jax.checkpoint(nsa, policy=REMAT_CHECKPOINT_POLICIES[remat]), q, k, k)
+    kept[remat] = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+                   if "output of jitted function 'nsa_attention'" in line]
+  assert kept["block"] == []
+  # window and selected: o [1, 48, 4, 16], lse [1, 48, 4]; compressed (padded to its tiles):
+  # o [1, 64, 4, 16], lse [1, 4, 64], importance [1, 48, 2, 64].
+  assert sorted(kept["attention"]) == sorted(
+      ["f32[1,48,4,16]", "f32[1,48,4]"] * 2 + ["f32[1,64,4,16]", "f32[1,4,64]", "f32[1,48,2,64]"])
 
 
 def test_untied_head_is_used():
