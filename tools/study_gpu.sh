@@ -8,7 +8,8 @@
 # portpicker, tensorboardX) in .whl/. The study lives in STUDY_DIR (default runs/capacity; another
 # directory holds a variant, e.g. shorter runs with STUDY_ARGS="--steps 16000"). When it does
 # not exist yet (a fresh machine) and the parts STATE_PREFIX.NNofMM exist (default
-# .gpu/study/state.tar.gz: what the previous invocation packed), they are unpacked first. Then
+# .gpu/study/state.tar.gz: what the previous invocation packed), they are unpacked first; the
+# published finished runs are restored next (STUDY_RESTORE, below). Then
 # tools/repro.py trains within the budget, and RESULT_DIR receives:
 #   study.log            this script's log (tools/repro.py's output and the runs' ends);
 #   results.md           the tables and checks so far;
@@ -37,6 +38,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv >>"$log" 2>&1
 
 if [ ! -d "$study/runs" ] && compgen -G "$state.[0-9][0-9]of[0-9][0-9]" >/dev/null; then
   python3 tools/repro_state.py unpack "$state" "$study" >>"$log" 2>&1
+fi
+# The published finished runs (STUDY_RESTORE, default docs/data/capacity_48k for the default
+# study directory; empty: none), so that the report counts them with the new ones; a run already
+# in the study is kept (tools/repro_state.py restore skips it, or stops at a conflicting one).
+restore=${STUDY_RESTORE-$([ "$study" = runs/capacity ] && echo docs/data/capacity_48k)}
+if [ -n "$restore" ]; then
+  python3 tools/repro_state.py restore "$restore" "$study" >>"$log" 2>&1 \
+    || { echo "restore of $restore failed (see above)" >>"$log"; exit 1; }
 fi
 # Leave ~60 s for the figures and the packing after tools/repro.py returns.
 left=$((budget_s - ($(date +%s) - start) - 60))
