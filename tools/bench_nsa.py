@@ -94,6 +94,9 @@ SWEEP = (
     NSABlockSizes(num_warps_bwd=8),
     NSABlockSizes(cmp_positions=8, cmp_bwd_positions=8),
     NSABlockSizes(slc_queries_per_step=8, slc_queries_per_program=512),
+    # Selected forward and dq over the union of 2 or 4 neighbouring positions' blocks.
+    NSABlockSizes(slc_shared_queries=2),
+    NSABlockSizes(slc_shared_queries=4),
 )
 
 
