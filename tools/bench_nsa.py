@@ -247,9 +247,16 @@ def sweep(shape: Shape, args, rows: list) -> None:
       batch = max(1, shape.tokens // length)
       inputs = make_inputs(jax.random.key(2), batch, length, shape)
       for mode, fn in zip(("fwd", "fwd+bwd"), ours(candidate)):
-        ms = median_ms(fn, [inputs], warmup=args.warmup, repeats=args.iters)
-        rows.append(dict(kind="train", batch=batch, length=length, mode=mode, ours_ms=ms,
-                         blocks=str(changed or "defaults")))
+        row = dict(kind="train", batch=batch, length=length, mode=mode,
+                   blocks=str(changed or "defaults"))
+        try:
+          row["ours_ms"] = median_ms(fn, [inputs], warmup=args.warmup, repeats=args.iters)
+          if jax.default_backend() == "gpu":
+            row["kernels"] = kernel_breakdown(Timed(fn, [inputs]))
+        except Exception as error:  # pylint: disable=broad-except
+          # A candidate that fails to compile must not hide the others' numbers.
+          row["failed"] = str(error)[:500]
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
 
 
@@ -338,8 +345,8 @@ def print_table(rows: list, lines: list) -> None:
       ratio = f"{row['ratio']:.2f}x" if "ratio" in row else "-"
       mode = row["mode"] + (f" {row['blocks']}" if "blocks" in row else "")
       first = f" (first call {row['first_call_s']:.0f} s)" if "first_call_s" in row else ""
-      print(f"| train {mode} | B{row['batch']} T{row['length']} |"
-            f" {row['ours_ms']:.3f} ms{first} | {fla_ms} | {ratio} |")
+      ours = "FAILED" if "failed" in row else f"{row['ours_ms']:.3f} ms{first}"
+      print(f"| train {mode} | B{row['batch']} T{row['length']} | {ours} | {fla_ms} | {ratio} |")
     else:
       gpu = (f"; GPU time {row['gpu_us']:.1f} us, {row['gpu_ratio']:.2f} of the copy's"
              if "gpu_us" in row else "")

@@ -35,6 +35,9 @@
 #              and with XLA's default CUDA-graph size (~4 min)
 #   nsadecode  NSA decoding: the decode kernels' GPU parity tests, the decode attention's timings
 #              at 4K-64K (tools/bench_nsa.py) and the lansa-1.4b decode step at 4K and 64K (~5 min)
+#   nsatrain   NSA training: the NSA GPU parity tests, our kernels per launch-parameter candidate
+#              at T 4K (tools/bench_nsa.py --sweep, with each candidate's kernel times) and the
+#              lansa-0.4b / gdn_swa-0.4b training step (~6 min)
 #   multigpu   several GPUs of one host: scaling of the training step over 1, 2, 4 GPUs as N
 #              processes and as one process, a resume on fewer processes, then the kernels per
 #              shard (~9 min)
@@ -44,7 +47,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -60,7 +63,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -213,6 +216,14 @@ case "$stage" in
       --json "$dest/nsa_decode.json"
     step 150 python3 tools/bench_decode.py --presets lansa-1.4b --contexts 4096 65536 --batch 32 \
       --param-dtype bfloat16 --json "$dest/decode_lansa.json"
+    ;;
+  nsatrain)
+    step 200 python3 -m pytest -q -m gpu tests/pallas_kernels/test_nsa_pallas.py \
+      -p no:cacheprovider
+    step 150 python3 tools/bench_nsa.py --sweep --no-fla --no-parity --no-decode --lengths 4096 \
+      --json "$dest/nsa_sweep.json"
+    step 120 python3 tools/bench_train.py --presets lansa-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
+      --warmup 2 --json "$dest/train.json"
     ;;
   serving)
     # The serving table (tools/bench_serving.py): prefill tokens/s, decode ms per step against

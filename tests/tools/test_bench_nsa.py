@@ -1,6 +1,7 @@
 """tools/bench_nsa.py --smoke: the whole benchmark (parity, training timings, decode bandwidth) on
 tiny shapes in interpret mode, so that the GPU run's code paths are exercised on CPU."""
 
+import dataclasses
 import json
 
 import pytest
@@ -21,3 +22,32 @@ def test_smoke_run_reports_every_part(tmp_path, capsys):
   errors = [float(part.split()[-1]) for part in parity.split(": ")[1].split(", ")]
   assert len(errors) == 5 and max(errors) < 2e-2, parity  # bf16 inputs vs float32 reference
   assert "| train fwd+bwd | B1 T48 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_sweep_reports_every_candidate_and_keeps_going_after_a_failure(tmp_path, capsys,
+                                                                     monkeypatch):
+  """--sweep times each candidate (here the smoke blocks with 1 and 2 positions per selected
+  program); one whose kernels fail is reported as failed and the next one still runs."""
+  bench = load_tool("bench_nsa")
+  good = bench.SMOKE.blocks
+  shared = dataclasses.replace(good, slc_shared_queries=2)
+  failing = dataclasses.replace(good, num_warps=8)
+  ours = bench.ours
+
+  def ours_failing_for(shape):
+    if shape.blocks == failing:
+      def fail(*_):
+        raise RuntimeError("this candidate does not compile")
+      return fail, fail
+    return ours(shape)
+
+  monkeypatch.setattr(bench, "ours", ours_failing_for)
+  monkeypatch.setattr(bench, "SWEEP", (good, failing, shared))
+  path = tmp_path / "sweep.json"
+  bench.main(["--smoke", "--sweep", "--no-parity", "--no-decode", "--json", str(path)])
+  rows = json.loads(path.read_text())["rows"]
+  assert [("failed" in row, row["mode"]) for row in rows] == [
+      (False, "fwd"), (False, "fwd+bwd"), (True, "fwd"), (True, "fwd+bwd"), (False, "fwd"),
+      (False, "fwd+bwd")]
+  assert "slc_shared_queries" in rows[-1]["blocks"] and "FAILED" in capsys.readouterr().out
