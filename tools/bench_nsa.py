@@ -224,17 +224,17 @@ def time_training(shape: Shape, args, rows: list) -> None:
         rows.append(dict(kind="train", batch=batch, length=length, mode=mode, ours_ms=ms,
                          fla_ms=fla_ms, ratio=ms / fla_ms, first_call_s=first_call_s))
       if jax.default_backend() == "gpu":  # which kernels take the time (profiler trace)
-        rows[-1]["kernels"] = kernel_breakdown(ours_timed)
+        rows[-1]["kernels"] = kernel_breakdown(kernel_times(ours_timed, passes=3))
       print(json.dumps(rows[-1]), flush=True)
 
 
-def kernel_breakdown(timed: Timed, passes: int = 3, top: int = 12) -> dict:
-  """{kernel: [launches, GPU us]} per call of the `top` kernels by GPU time, and the sum of all
-  under "total"."""
-  times = kernel_times(timed, passes=passes)
-  kernels = {name: [launches, round(us, 2)]
+def kernel_breakdown(times, calls: int = 1, top: int = 12) -> dict:
+  """{kernel: [launches, GPU us]} per call of the `top` kernels by GPU time in `times` (a
+  `kernel_times` result over passes of `calls` calls each), and the sum of all under "total"."""
+  per_call = lambda launches, us: [launches / calls, round(us / calls, 2)]
+  kernels = {name: per_call(launches, us)
              for name, (launches, us) in list(times.kernels.items())[:top]}
-  return dict(kernels, total=[sum(n for n, _ in times.kernels.values()), round(times.busy_us, 2)])
+  return dict(kernels, total=per_call(sum(n for n, _ in times.kernels.values()), times.busy_us))
 
 
 def sweep(shape: Shape, args, rows: list) -> None:
@@ -252,7 +252,7 @@ def sweep(shape: Shape, args, rows: list) -> None:
         try:
           row["ours_ms"] = median_ms(fn, [inputs], warmup=args.warmup, repeats=args.iters)
           if jax.default_backend() == "gpu":
-            row["kernels"] = kernel_breakdown(Timed(fn, [inputs]))
+            row["kernels"] = kernel_breakdown(kernel_times(Timed(fn, [inputs]), passes=3))
         except Exception as error:  # pylint: disable=broad-except
           # A candidate that fails to compile must not hide the others' numbers.
           row["failed"] = str(error)[:500]
@@ -331,8 +331,7 @@ def time_decode(shape: Shape, args, rows: list) -> None:
       times = kernel_times(per_call, passes=5)
       row.update(gpu_us=times.busy_us / args.sets,
                  gpu_ratio=moved * args.sets / times.busy_us / 1e3 / copy_gpu_gbps,
-                 kernels={name: [launches / args.sets, us / args.sets]
-                          for name, (launches, us) in times.kernels.items()})
+                 kernels=kernel_breakdown(times, calls=args.sets))
     rows.append(row)
     print(json.dumps(row), flush=True)
 

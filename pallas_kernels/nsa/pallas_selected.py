@@ -158,14 +158,10 @@ def _query_specs(problem: Problem, shared: int):
   positions, and the KV head's whole keys and values."""
   group, head_dim = problem.group, problem.head_dim
   num_kv_heads, num_queries = problem.num_kv_heads, problem.query_len
-  if shared == 1:
-    idx = pl.BlockSpec((None, None, None, problem.block_count), lambda t, b, h: (b, t, h, 0))
-    rows = pl.BlockSpec((None, None, group, head_dim), lambda t, b, h: (b, t, h, 0))
-    stats = pl.BlockSpec((None, None, group), lambda t, b, h: (b, t, h))
-  else:
-    idx = pl.BlockSpec((None, shared, None, problem.block_count), lambda t, b, h: (b, t, h, 0))
-    rows = pl.BlockSpec((None, shared, group, head_dim), lambda t, b, h: (b, t, h, 0))
-    stats = pl.BlockSpec((None, shared, group), lambda t, b, h: (b, t, h))
+  positions = None if shared == 1 else shared  # one position: its axis squeezed
+  idx = pl.BlockSpec((None, positions, None, problem.block_count), lambda t, b, h: (b, t, h, 0))
+  rows = pl.BlockSpec((None, positions, group, head_dim), lambda t, b, h: (b, t, h, 0))
+  stats = pl.BlockSpec((None, positions, group), lambda t, b, h: (b, t, h))
   count = pl.BlockSpec((1,), lambda t, b, h: ((b * num_queries + t) * num_kv_heads + h,))
   keys = pl.BlockSpec((None, problem.padded_key_len, None, head_dim),
                       lambda t, b, h: (b, 0, h, 0))
