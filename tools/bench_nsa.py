@@ -88,15 +88,9 @@ SMOKE = Shape(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, block_c
 # Launch-parameter candidates timed by --sweep (each compiles its own kernels).
 SWEEP = (
     NSABlockSizes(),
-    NSABlockSizes(num_warps=2),
-    NSABlockSizes(num_warps=8),
-    NSABlockSizes(num_stages=3, num_stages_bwd=3),
-    NSABlockSizes(num_warps_bwd=8),
+    NSABlockSizes(slc_num_warps=2, slc_dq_num_warps=4),
+    NSABlockSizes(slc_dq_num_warps=2),
     NSABlockSizes(cmp_positions=8, cmp_bwd_positions=8),
-    NSABlockSizes(slc_queries_per_step=8, slc_queries_per_program=512),
-    # Selected forward and dq over the union of 2 or 4 neighbouring positions' blocks.
-    NSABlockSizes(slc_shared_queries=2),
-    NSABlockSizes(slc_shared_queries=4),
 )
 
 

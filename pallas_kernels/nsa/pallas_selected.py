@@ -4,10 +4,7 @@ token of its KV head's selected blocks, causally (§6; `reference.selected_atten
 Forward and dq: one program per (query, batch, KV head) whose rows are the G query heads of the
 KV head; it reads the position's block list (scalar loads) and loads each selected block's keys
 and values once for all G heads (FLA's `parallel_nsa` layout). Only the current block needs the
-causal mask; it is applied to every block (one compare per score). With
-`slc_shared_queries` = Q > 1 a program takes Q consecutive positions (Q x G rows) and visits the
-union of their block lists, each block once, masking the rows of the positions that did not
-select it: fewer loads of the same blocks, more (masked) scores.
+causal mask; it is applied to every block (one compare per score).
 
 dk/dv: one program per work item of `selection.queries_by_block`: a key block and up to
 `slc_queries_per_program` of the queries that selected it, gathered `slc_queries_per_step` at a
@@ -32,90 +29,45 @@ from pallas_kernels.pallas_common import (
     softmax_start, softmax_step, triton_compiler_params)
 
 
-def _selected_blocks(problem: Problem, shared: int, idx_ref, count_ref, k_ref, v_ref, visit,
-                     carry):
-  """Runs visit(carry, k, v, mask_RC) over the program's selected blocks: those of its one
-  position (shared = 1; idx_ref [S], count_ref [1]), or once each over the union of the lists
-  of its `shared` positions (idx_ref [Q, S], NO_BLOCK in unused slots; rows position-major)."""
+def _selected_blocks(problem: Problem, idx_ref, count_ref, k_ref, v_ref, visit, carry):
+  """Runs visit(carry, k, v, causal_mask) over the program's selected blocks."""
+  position = problem.query_offset + pl.program_id(0)
   size = problem.block_size
-  if shared == 1:
-    position = problem.query_offset + pl.program_id(0)
 
-    def step(j, carry):
-      start = idx_ref[j] * size
-      key_pos = start + jnp.arange(size, dtype=jnp.int32)
-      block = pl.ds(start, size)
-      return visit(carry, k_ref[block, :], v_ref[block, :], (key_pos <= position)[None, :])
+  def step(j, carry):
+    start = idx_ref[j] * size
+    key_pos = start + jnp.arange(size, dtype=jnp.int32)
+    block = pl.ds(start, size)
+    return visit(carry, k_ref[block, :], v_ref[block, :], (key_pos <= position)[None, :])
 
-    return lax.fori_loop(0, count_ref[0], step, carry)
-
-  group, slots = problem.group, idx_ref.shape[-1]
-  idx_QS = idx_ref[...]
-  slot_QS = (jnp.arange(shared, dtype=jnp.int32)[:, None] * slots
-             + jnp.arange(slots, dtype=jnp.int32)[None, :])
-  first = problem.query_offset + pl.program_id(0) * shared
-  position_R = first + jnp.arange(shared * group, dtype=jnp.int32) // group
-
-  def slot_step(position_index: int):
-    def step(slot, carry):
-      block_index = idx_ref[position_index, slot]
-      # A slot counts once: not unused, and not a block an earlier slot of the program listed.
-      earlier_QS = (idx_QS == block_index) & (slot_QS < position_index * slots + slot)
-      seen = jnp.max(jnp.max(jnp.where(earlier_QS, 1, 0), axis=1)) > 0  # no reduce_or in Triton
-
-      def attend(carry):
-        start = block_index * size
-        key_pos = start + jnp.arange(size, dtype=jnp.int32)
-        block = pl.ds(start, size)
-        # Rows of the positions that selected this block (int32: Triton reshapes no bools).
-        selected_Q = jnp.max(jnp.where(idx_QS == block_index, 1, 0), axis=1)
-        selected_R = jnp.broadcast_to(selected_Q[:, None], (shared, group)).reshape(-1)
-        mask_RC = (selected_R[:, None] > 0) & (key_pos[None, :] <= position_R[:, None])
-        return visit(carry, k_ref[block, :], v_ref[block, :], mask_RC)
-
-      return lax.cond((block_index >= 0) & jnp.logical_not(seen), attend, lambda c: c, carry)
-    return step
-
-  for position_index in range(shared):  # static: the loop index stays a plain slot number
-    carry = lax.fori_loop(0, slots, slot_step(position_index), carry)
-  return carry
-
-
-def _rows(ref):
-  """A (Q, G, D) or (G, D) block of query rows as (Q x G, D) (one position: unchanged)."""
-  x = ref[...]
-  return x.reshape(-1, x.shape[-1]) if x.ndim == 3 else x
-
-
-def _store_rows(ref, x):
-  ref[...] = x.reshape(ref.shape).astype(ref.dtype)
+  return lax.fori_loop(0, count_ref[0], step, carry)
 
 
 def _forward_kernel(idx_ref, count_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                    problem: Problem, shared: int):
-  q = _rows(q_ref)
+                    problem: Problem):
+  q = q_ref[...]
   visit = lambda carry, k, v, mask: softmax_step(carry, dot_nt(q, k), v, mask,
                                                  problem.score_scale, problem.interpret)
-  carry = _selected_blocks(problem, shared, idx_ref, count_ref, k_ref, v_ref, visit,
-                           softmax_start(q.shape[0], v_ref.shape[-1]))
+  carry = _selected_blocks(problem, idx_ref, count_ref, k_ref, v_ref, visit,
+                           softmax_start(problem.group, v_ref.shape[-1]))
   o, lse = softmax_finish(carry)
-  _store_rows(o_ref, o)
-  _store_rows(lse_ref, lse)
+  o_ref[...] = o.astype(o_ref.dtype)
+  lse_ref[...] = lse
 
 
 def _dq_kernel(idx_ref, count_ref, q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, dq_ref,
-               delta_ref, *, problem: Problem, shared: int):
-  q, do, lse = _rows(q_ref), _rows(do_ref), lse_ref[...].reshape(-1)
-  delta = jnp.sum(_rows(o_ref).astype(jnp.float32) * do.astype(jnp.float32), axis=1)
-  _store_rows(delta_ref, delta)
+               delta_ref, *, problem: Problem):
+  q, do, lse = q_ref[...], do_ref[...], lse_ref[...]
+  delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+  delta_ref[...] = delta
 
   def visit(dq, k, v, mask):
     p = probabilities(dot_nt(q, k), problem.score_scale, lse, mask, problem.interpret)
     return dq_step(dq, p, do, k, v, delta)
 
-  dq = _selected_blocks(problem, shared, idx_ref, count_ref, k_ref, v_ref, visit,
+  dq = _selected_blocks(problem, idx_ref, count_ref, k_ref, v_ref, visit,
                         jnp.zeros(q.shape, jnp.float32))
-  _store_rows(dq_ref, dq * problem.scale)
+  dq_ref[...] = (dq * problem.scale).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(item_ref, queries_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
@@ -152,42 +104,33 @@ def _dkdv_kernel(item_ref, queries_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref
     pltriton.atomic_add(dv_ref, (keys, slice(None)), dv)
 
 
-def _query_specs(problem: Problem, shared: int):
-  """Grid (position group, batch, KV head) of `shared` positions each: the block lists (and
-  their lengths, read with one position per program), the G heads' rows and statistics of the
-  positions, and the KV head's whole keys and values."""
+def _query_specs(problem: Problem):
+  """Grid (query, batch, KV head): the block list and its length, the G heads' rows and
+  statistics, and the KV head's whole keys and values."""
   group, head_dim = problem.group, problem.head_dim
   num_kv_heads, num_queries = problem.num_kv_heads, problem.query_len
-  positions = None if shared == 1 else shared  # one position: its axis squeezed
-  idx = pl.BlockSpec((None, positions, None, problem.block_count), lambda t, b, h: (b, t, h, 0))
-  rows = pl.BlockSpec((None, positions, group, head_dim), lambda t, b, h: (b, t, h, 0))
-  stats = pl.BlockSpec((None, positions, group), lambda t, b, h: (b, t, h))
+  idx = pl.BlockSpec((None, None, None, problem.block_count), lambda t, b, h: (b, t, h, 0))
   count = pl.BlockSpec((1,), lambda t, b, h: ((b * num_queries + t) * num_kv_heads + h,))
+  rows = pl.BlockSpec((None, None, group, head_dim), lambda t, b, h: (b, t, h, 0))
+  stats = pl.BlockSpec((None, None, group), lambda t, b, h: (b, t, h))
   keys = pl.BlockSpec((None, problem.padded_key_len, None, head_dim),
                       lambda t, b, h: (b, 0, h, 0))
   return idx, count, rows, stats, keys
-
-
-def _shared_positions(blocks: NSABlockSizes, query_len: int) -> int:
-  """Positions per program: slc_shared_queries, or 1 when the positions do not split evenly."""
-  shared = blocks.slc_shared_queries
-  return shared if query_len % shared == 0 else 1
 
 
 def forward(problem: Problem, blocks: NSABlockSizes, q, k, v, indices, counts):
   """(o [B, T, Hq, Dv] in q's dtype, lse2 [B, T, Hq] float32); q unpadded, k/v padded to
   padded_key_len, indices/counts from `selection.select_top_blocks`."""
   batch = q.shape[0]
-  shared = _shared_positions(blocks, problem.query_len)
-  idx, count, rows, stats, keys = _query_specs(problem, shared)
+  idx, count, rows, stats, keys = _query_specs(problem)
   return pl.pallas_call(
-      functools.partial(_forward_kernel, problem=problem, shared=shared),
-      grid=(problem.query_len // shared, batch, problem.num_kv_heads),
+      functools.partial(_forward_kernel, problem=problem),
+      grid=(problem.query_len, batch, problem.num_kv_heads),
       in_specs=[idx, count, rows, keys, keys],
       out_specs=[rows, stats],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)],
-      compiler_params=triton_compiler_params(blocks.num_warps, blocks.num_stages),
+      compiler_params=triton_compiler_params(blocks.slc_num_warps, blocks.num_stages),
       interpret=problem.interpret, name="nsa_selected_fwd",
   )(indices, counts.reshape(-1), q, k, v)
 
@@ -195,16 +138,15 @@ def forward(problem: Problem, blocks: NSABlockSizes, q, k, v, indices, counts):
 def backward(problem: Problem, blocks: NSABlockSizes, q, k, v, indices, counts, o, lse, do):
   """(dq in q's dtype, dk, dv float32 [B, padded_key_len, Hkv, D]) of the selected branch."""
   batch = q.shape[0]
-  shared = _shared_positions(blocks, problem.query_len)
-  idx, count, rows, stats, keys = _query_specs(problem, shared)
+  idx, count, rows, stats, keys = _query_specs(problem)
   dq, delta = pl.pallas_call(
-      functools.partial(_dq_kernel, problem=problem, shared=shared),
-      grid=(problem.query_len // shared, batch, problem.num_kv_heads),
+      functools.partial(_dq_kernel, problem=problem),
+      grid=(problem.query_len, batch, problem.num_kv_heads),
       in_specs=[idx, count, rows, keys, keys, rows, rows, stats],
       out_specs=[rows, stats],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)],
-      compiler_params=triton_compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd),
+      compiler_params=triton_compiler_params(blocks.slc_dq_num_warps, blocks.num_stages_bwd),
       interpret=problem.interpret, name="nsa_selected_dq",
   )(indices, counts.reshape(-1), q, k, v, do, o, lse)
 

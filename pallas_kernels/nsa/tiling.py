@@ -33,14 +33,14 @@ class NSABlockSizes:
   # which every query selects, are split over programs that add up with float32 atomics).
   slc_queries_per_step: int = 4
   slc_queries_per_program: int = 256
-  # Selected attention forward and dq: consecutive query positions per program (rows = positions
-  # x G). With more than one, a program visits the union of its positions' selected blocks,
-  # loading each once for all of them (neighbouring queries select mostly the same blocks), and
-  # masks the rows of the positions that did not select a block.
-  slc_shared_queries: int = 1
+  # Warps of the selected forward and dq programs, whose rows are the G heads of one position:
+  # with so few rows, 2 warps ran the forward 22% faster than 4 (H200, B8 T4096 G16, 2026-11-28).
+  slc_num_warps: int = 1
+  slc_dq_num_warps: int = 1
   # Decoding: programs per (batch row, KV head), each taking every decode_splits-th selected block
   # and window tile (more programs than rows x KV heads keep the GPU's cores busy at small B).
   decode_splits: int = 4
+  # Launch parameters of the other kernels (compressed attention, selected dk/dv, decoding).
   num_warps: int = 4
   num_stages: int = 2
   num_warps_bwd: int = 4

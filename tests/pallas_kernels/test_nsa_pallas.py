@@ -11,7 +11,6 @@ Triton (checked on any backend).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -88,17 +87,6 @@ def test_interpret_matches_reference_bfloat16():
   # 3 blocks and block_count 3: every valid block is selected, so the selection cannot differ from
   # the reference's through bf16 rounding of near-equal importances.
   _check(_interpret(3), _inputs(1, query_len=45), jnp.bfloat16)
-
-
-@pytest.mark.parametrize("shared, query_len", [(4, 76), (2, 75)])
-def test_shared_positions_match_reference(shared, query_len):
-  """Selected forward and dq with `shared` positions per program (the union of their block lists,
-  rows of positions that did not select a block masked), float32, forward and every gradient;
-  T = 75 does not split into pairs, so that call keeps one position per program."""
-  blocks = dataclasses.replace(BLOCKS, slc_shared_queries=shared)
-  fn = functools.partial(pallas.nsa_attention, block_size=BLOCK_SIZE, block_count=4,
-                         window_size=WINDOW_SIZE, block_sizes=blocks, interpret=True)
-  _check(fn, _inputs(11, query_len=query_len), jnp.float32)
 
 
 @pytest.mark.slow
@@ -300,9 +288,6 @@ def test_kernels_lower_to_triton():
   gates = shape((1, 300, 32, 3), bf16)
   train = functools.partial(pallas.nsa_attention, interpret=False, **PAPER)
   grads = jax.grad(lambda *a: train(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
-  shared = functools.partial(pallas.nsa_attention, interpret=False,
-                             block_sizes=NSABlockSizes(slc_shared_queries=4), **PAPER)
-  shared_grads = jax.grad(lambda *a: shared(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   decode = functools.partial(pallas_decode.decode_attention, interpret=False, **PAPER)
   decode_args = (shape((4, 32, 64), bf16), shape((4, 32, 3), bf16),
                  shape((12, 4, 1024, 2, 64), bf16), shape((12, 4, 1024, 2, 64), bf16),
@@ -312,7 +297,6 @@ def test_kernels_lower_to_triton():
       (grads, (q, k, k, gates), {"nsa_compressed_fwd", "nsa_compressed_dq", "nsa_compressed_dkdv",
                                  "nsa_selected_fwd", "nsa_selected_dq", "nsa_selected_dkdv",
                                  "masked_attention_fwd"}),
-      (shared_grads, (q, k, k, gates), {"nsa_selected_fwd", "nsa_selected_dq"}),
       (decode, decode_args, {"nsa_decode_compressed", "nsa_decode_select",
                              "nsa_decode_selected_window"})):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -320,15 +304,12 @@ def test_kernels_lower_to_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,query_len,block_count,shared",
-                         [(jnp.bfloat16, 1000, 16, 1), (jnp.float32, 1000, 8, 1),
-                          (jnp.float32, 1000, 8, 4)])
-def test_gpu_matches_reference(dtype, query_len, block_count, shared):
+@pytest.mark.parametrize("dtype,query_len,block_count",
+                         [(jnp.bfloat16, 1000, 16), (jnp.float32, 1000, 8)])
+def test_gpu_matches_reference(dtype, query_len, block_count):
   # bf16: 16 blocks and block_count 16 select every valid block (no near-tie can flip with bf16
-  # rounding); float32: block_count 8 chooses among earlier blocks; shared: 4 positions per
-  # program of the selected forward and dq.
-  fn = functools.partial(pallas.nsa_attention, **dict(PAPER, block_count=block_count),
-                         block_sizes=NSABlockSizes(slc_shared_queries=shared))
+  # rounding); float32: block_count 8 chooses among earlier blocks.
+  fn = functools.partial(pallas.nsa_attention, **dict(PAPER, block_count=block_count))
   _check(fn, _inputs(8, query_len=query_len, num_q_heads=32, head_dim=64), dtype)
 
 

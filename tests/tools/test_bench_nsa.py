@@ -27,11 +27,11 @@ def test_smoke_run_reports_every_part(tmp_path, capsys):
 @pytest.mark.slow
 def test_sweep_reports_every_candidate_and_keeps_going_after_a_failure(tmp_path, capsys,
                                                                      monkeypatch):
-  """--sweep times each candidate (here the smoke blocks with 1 and 2 positions per selected
-  program); one whose kernels fail is reported as failed and the next one still runs."""
+  """--sweep times each candidate (here the smoke blocks with 1 and 2 warps per selected
+  forward program); one whose kernels fail is reported as failed and the next one still runs."""
   bench = load_tool("bench_nsa")
   good = bench.SMOKE.blocks
-  shared = dataclasses.replace(good, slc_shared_queries=2)
+  two_warps = dataclasses.replace(good, slc_num_warps=2)
   failing = dataclasses.replace(good, num_warps=8)
   ours = bench.ours
 
@@ -43,11 +43,11 @@ def test_sweep_reports_every_candidate_and_keeps_going_after_a_failure(tmp_path,
     return ours(shape)
 
   monkeypatch.setattr(bench, "ours", ours_failing_for)
-  monkeypatch.setattr(bench, "SWEEP", (good, failing, shared))
+  monkeypatch.setattr(bench, "SWEEP", (good, failing, two_warps))
   path = tmp_path / "sweep.json"
   bench.main(["--smoke", "--sweep", "--no-parity", "--no-decode", "--json", str(path)])
   rows = json.loads(path.read_text())["rows"]
   assert [("failed" in row, row["mode"]) for row in rows] == [
       (False, "fwd"), (False, "fwd+bwd"), (True, "fwd"), (True, "fwd+bwd"), (False, "fwd"),
       (False, "fwd+bwd")]
-  assert "slc_shared_queries" in rows[-1]["blocks"] and "FAILED" in capsys.readouterr().out
+  assert "slc_num_warps" in rows[-1]["blocks"] and "FAILED" in capsys.readouterr().out
