@@ -87,9 +87,13 @@ class RoutingControls:
   score_gradient: False cuts every gradient through the scores (the straight-through signal and
     the sparsity loss's), so neither the routers nor, through them, the key and value
     projections learn from the routing; the selection itself is unchanged.
+  task_gradient: False cuts only the straight-through signal (the task loss's gradient through
+    the reads of each value, §4.3): the returned scores keep theirs, so the sparsity loss alone
+    moves the routers.
   """
   reveal_probability: jax.Array | float = 0.0
   score_gradient: jax.Array | bool = True
+  task_gradient: jax.Array | bool = True
 
 
 class LTEAttention(nnx.Module):
@@ -111,7 +115,11 @@ class LTEAttention(nnx.Module):
     score_BTK = self.router(k_BTKD, v_BTKD, dropout_key=dropout_key)
     if routing.score_gradient is not True:  # a Python True adds nothing to the training step
       score_BTK = jnp.where(routing.score_gradient, score_BTK, jax.lax.stop_gradient(score_BTK))
-    v_BTKD = straight_through_scores(v_BTKD, score_BTK)
+    read_score_BTK = score_BTK  # the scores the reads' straight-through gradient reaches
+    if routing.task_gradient is not True:
+      read_score_BTK = jnp.where(routing.task_gradient, score_BTK,
+                                 jax.lax.stop_gradient(score_BTK))
+    v_BTKD = straight_through_scores(v_BTKD, read_score_BTK)
     kept_BTK = selected_tokens(score_BTK)
     reveal = routing.reveal_probability
     if not (isinstance(reveal, (int, float)) and reveal == 0):  # likewise a Python 0

@@ -106,11 +106,14 @@ class TrainConfig:
   # first step to 0 at the end of the warm-up, so the switch to routing comes gradually. With
   # `lte_router_frozen_after_warmup` the routers stop learning when a learning warm-up ends (no
   # update, no gradient through the scores): the model then trains on the selection function
-  # the warm-up learned.
+  # the warm-up learned. With `lte_router_sparsity_only_after_warmup` they keep learning after it,
+  # from the sparsity loss alone (no straight-through gradient of the task loss), so the
+  # controller still holds their count at the cap.
   lte_routing_freeze_steps: int = 0
   lte_routing_freeze_learns: bool = False
   lte_routing_freeze_anneal: bool = False
   lte_router_frozen_after_warmup: bool = False
+  lte_router_sparsity_only_after_warmup: bool = False
   # Parallelism: mesh axis sizes; -1 on `mesh_data` takes all remaining devices.
   mesh_data: int = -1
   mesh_fsdp: int = 1
@@ -181,9 +184,14 @@ class TrainConfig:
              f"must be in [0, steps={self.steps}], got {self.lte_routing_freeze_steps}")
     _require(not self.lte_routing_freeze_learns or self.lte_routing_freeze_steps > 0,
              "lte_routing_freeze_learns", "needs a warm-up (lte_routing_freeze_steps > 0)")
-    for name in ("lte_routing_freeze_anneal", "lte_router_frozen_after_warmup"):
+    for name in ("lte_routing_freeze_anneal", "lte_router_frozen_after_warmup",
+                 "lte_router_sparsity_only_after_warmup"):
       _require(not getattr(self, name) or self.lte_routing_freeze_learns, name,
                "needs a learning warm-up (lte_routing_freeze_learns)")
+    _require(not (self.lte_router_frozen_after_warmup
+                  and self.lte_router_sparsity_only_after_warmup),
+             "lte_router_sparsity_only_after_warmup",
+             "excludes lte_router_frozen_after_warmup (a frozen router learns from nothing)")
     _require(self.loss_chunk_tokens >= 0, "loss_chunk_tokens",
              f"must be >= 0 (0 = no chunking), got {self.loss_chunk_tokens!r}")
     _require(self.step_timeout_s >= 0, "step_timeout_s",

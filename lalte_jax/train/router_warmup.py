@@ -39,6 +39,14 @@ the selection function the warm-up learned (its scores still move with the keys 
 attention trains). Why: at the end of the
 learning warm-up the routers kept 94-99% of the queried values and few fillers in most heads,
 and the collapse came after the switch, from the routers' own updates; this separates the two.
+
+With `lte_router_sparsity_only_after_warmup` the routers keep learning after a learning
+warm-up, but the task loss's straight-through gradient no longer reaches the scores
+(`RoutingControls.task_gradient`); the sparsity loss's does, so the controller still pulls each
+head's kept count down to the cap, and the tokens with the lowest scores go first. Why: frozen
+routers kept their selection through the switch, but with the keys and values they score still
+training, their kept counts grew to 1.3-3x the cap by the end of the run, and the capped cache
+then evicted queried values (docs/results.md).
 """
 
 from __future__ import annotations
@@ -100,12 +108,13 @@ def reveal_probability(step: jax.Array, freeze_steps: int, anneal: bool) -> jax.
 def routing_controls(step: jax.Array, config) -> RoutingControls | None:
   """The model's `RoutingControls` at optimizer step `step` (0-based) of a run of `config` (a
   TrainConfig): None (routing as §4) unless the run has a learning warm-up; then the reveal
-  probability above, and with `lte_router_frozen_after_warmup` no gradient through the scores
-  after the warm-up."""
+  probability above; after the warm-up, with `lte_router_frozen_after_warmup` no gradient
+  through the scores, with `lte_router_sparsity_only_after_warmup` none of the task loss's."""
   freeze_steps = config.lte_routing_freeze_steps
   if not (freeze_steps and config.lte_routing_freeze_learns):
     return None
-  score_gradient = (step < freeze_steps) if config.lte_router_frozen_after_warmup else True
+  during = step < freeze_steps
   return RoutingControls(
       reveal_probability=reveal_probability(step, freeze_steps, config.lte_routing_freeze_anneal),
-      score_gradient=score_gradient)
+      score_gradient=during if config.lte_router_frozen_after_warmup else True,
+      task_gradient=during if config.lte_router_sparsity_only_after_warmup else True)

@@ -119,6 +119,32 @@ def test_layer_score_gradient_is_v_dot_total_dv(monkeypatch):
   assert float(jnp.max(jnp.abs(dscore))) > 0
 
 
+def test_task_gradient_off_leaves_the_scores_to_the_sparsity_loss():
+  """RoutingControls(task_gradient=False): the same outputs and selection, no gradient of the
+  output (the task loss's path) into the router, and the scores' own gradient (the sparsity
+  loss's path) unchanged."""
+  config, layer = tiny_layer()
+  x = jax.random.normal(jax.random.key(6), (1, 60, config.hidden_size))
+  weights = jax.random.normal(jax.random.key(7), (1, 60, config.hidden_size))
+  sparse_only = lte_module.RoutingControls(task_gradient=False)
+  for routing in (None, sparse_only):
+    out, score = layer(x, routing=routing)
+    np.testing.assert_array_equal(out, layer(x)[0])
+    np.testing.assert_array_equal(score, layer(x)[1])
+
+  def router_grads(routing, of_output):
+    def loss(m):
+      out, score = m(x, routing=routing)
+      return jnp.sum(out * weights) if of_output else jnp.sum(jnp.maximum(score, 0.0))
+    return jax.tree.leaves(nnx.grad(loss)(layer).router)
+
+  assert max(float(jnp.max(jnp.abs(g))) for g in router_grads(None, True)) > 0
+  assert all(float(jnp.max(jnp.abs(g))) == 0 for g in router_grads(sparse_only, True))
+  for a, b in zip(router_grads(None, False), router_grads(sparse_only, False)):
+    np.testing.assert_array_equal(a, b)
+  assert max(float(jnp.max(jnp.abs(g))) for g in router_grads(sparse_only, False)) > 0
+
+
 def test_router_gradients_reach_router_and_kv_projections(monkeypatch):
   config, layer = tiny_layer()
   x = jax.random.normal(jax.random.key(4), (1, 60, config.hidden_size))

@@ -386,6 +386,14 @@ def test_a_fork_is_planned_with_its_parent_and_made_from_its_checkpoint(tmp_path
       s.name for s in (capacity.fork_parent(dataclasses.replace(fork, seed=0)), parent,
                        dataclasses.replace(fork, seed=0), fork)]
   assert capacity.study_config(parent).checkpoint_keep_every == capacity.fork_step(fork) == 24000
+  both = repro.parse_args(["--out", str(tmp_path), "--models", "lalte_warmup_learn_frozen_fork,"
+                           "lalte_warmup_learn_sparse_fork", "--seeds", "3", "--control-steps",
+                           "0"])
+  sparse = dataclasses.replace(fork, model="lalte_warmup_learn_sparse_fork")
+  assert capacity.fork_parent(sparse) == parent  # two forks of one parent: trained once
+  assert [s.name for s in repro.plan(both, [])] == [
+      capacity.fork_parent(dataclasses.replace(fork, seed=0)).name, parent.name, fork.name,
+      sparse.name]  # the parent's seed 0 (its lr's sweep run) comes first, as above
   assert not repro.make_fork(tmp_path, fork, smoke=False)  # the parent is not there yet
   source = tmp_path / "runs" / parent.name
   (source / "checkpoints" / "24000" / "state").mkdir(parents=True)
@@ -455,18 +463,22 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   assert bounds.pop("lalte_bounded") == bounds.pop("lalte_warmup_bounded") \
       == bounds.pop("lalte_warmup_learn") == bounds.pop("lalte_warmup_anneal") \
       == bounds.pop("lalte_warmup_learn_frozen") == bounds.pop("lalte_warmup_learn_frozen_fork") \
-      == capacity.BOUNDED_LAMBDA_MAX < 1.0
+      == bounds.pop("lalte_warmup_learn_sparse_fork") == capacity.BOUNDED_LAMBDA_MAX < 1.0
   assert set(bounds.values()) == {1.0}
   assert models["lalte_bounded"] == models["lalte_warmup_bounded"] == models["lalte"] \
       == models["lalte_warmup_learn"] == models["lalte_warmup_anneal"] \
-      == models["lalte_warmup_learn_frozen"] == models["lalte_warmup_learn_frozen_fork"]
+      == models["lalte_warmup_learn_frozen"] == models["lalte_warmup_learn_frozen_fork"] \
+      == models["lalte_warmup_learn_sparse_fork"]
   frozen = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork")
-  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal") + frozen:
+  sparse = ("lalte_warmup_learn_sparse_fork",)
+  for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal") + frozen \
+      + sparse:
     config = capacity.study_config(capacity.RunSpec(model, 5e-4, 0))
     assert config.lte_routing_freeze_steps == capacity.FULL.router_warmup_steps
     assert config.lte_routing_freeze_learns == (model != "lalte_warmup_bounded")
     assert config.lte_routing_freeze_anneal == (model == "lalte_warmup_anneal")
     assert config.lte_router_frozen_after_warmup == (model in frozen)
+    assert config.lte_router_sparsity_only_after_warmup == (model in sparse)
     # Only a fork's parent keeps the end of its warm-up beside its newest checkpoint.
     assert config.checkpoint_keep_every == (config.lte_routing_freeze_steps
                                             if model == "lalte_warmup_learn" else 0)

@@ -34,6 +34,11 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   `lalte_warmup_learn` (same lr and seed) at the end of the warm-up, so that the two differ only
   after the switch: GPU runs do not repeat to the last bit, and two runs of one seed had parted
   long before step 24000 (docs/results.md; tools/repro.py makes the fork);
+  `lalte_warmup_learn_sparse_fork`: the same fork, whose routers keep learning after the
+  warm-up from the sparsity loss alone (`lte_router_sparsity_only_after_warmup`: no
+  straight-through gradient of the task loss): frozen routers kept the recall through the switch
+  (94.2 +- 4.2% against 28.7 +- 20.4% for the same checkpoints learning on), but their kept
+  counts grew to 1.3-3x the cap, so the capped cache lost up to 10.7 points (docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
@@ -74,7 +79,7 @@ from lalte_jax.train.config import TrainConfig
 
 MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lalte_warmup_bounded",
           "lalte_warmup_learn", "lalte_warmup_anneal", "lalte_warmup_learn_frozen",
-          "lalte_warmup_learn_frozen_fork", "lansa")
+          "lalte_warmup_learn_frozen_fork", "lalte_warmup_learn_sparse_fork", "lansa")
 ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
 CHECKS = (ROUTER_OFF,)
 ALL_MODELS = MODELS + CHECKS
@@ -142,14 +147,17 @@ _MIXER = {
     "lansa": ("lansa", "nsa", {"window_size": 64, "block_size": 16, "block_count": 8}),
 }
 # A router warm-up of FULL's steps; lambda <= BOUNDED_LAMBDA_MAX; a router that learns during it;
-# evicted tokens revealed with a probability falling to 0 over it; a router frozen after it.
+# evicted tokens revealed with a probability falling to 0 over it; a router frozen after it, or
+# learning from the sparsity loss alone after it.
 ANNEALED_WARMUP_MODELS = ("lalte_warmup_anneal",)
 FROZEN_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork")
+SPARSITY_ONLY_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_sparse_fork",)
 # {model: parent}: the model's runs start from the parent's run of the same lr, seed, pairs and
 # steps at the end of the router warm-up (`fork_step`), which the parent keeps for them.
-FORKS = {"lalte_warmup_learn_frozen_fork": "lalte_warmup_learn"}
+FORKS = {"lalte_warmup_learn_frozen_fork": "lalte_warmup_learn",
+         "lalte_warmup_learn_sparse_fork": "lalte_warmup_learn"}
 LEARNING_WARMUP_MODELS = (("lalte_warmup_learn",) + ANNEALED_WARMUP_MODELS
-                          + FROZEN_AFTER_WARMUP_MODELS)
+                          + FROZEN_AFTER_WARMUP_MODELS + SPARSITY_ONLY_AFTER_WARMUP_MODELS)
 WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
 BOUNDED_MODELS = ("lalte_bounded", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
 _MIXER.update({name: _MIXER["lalte"] for name in WARMUP_MODELS + BOUNDED_MODELS + (ROUTER_OFF,)})
@@ -211,6 +219,8 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
       lte_routing_freeze_learns=spec.model in LEARNING_WARMUP_MODELS and freeze > 0,
       lte_routing_freeze_anneal=spec.model in ANNEALED_WARMUP_MODELS and freeze > 0,
       lte_router_frozen_after_warmup=spec.model in FROZEN_AFTER_WARMUP_MODELS and freeze > 0,
+      lte_router_sparsity_only_after_warmup=(spec.model in SPARSITY_ONLY_AFTER_WARMUP_MODELS
+                                             and freeze > 0),
       lte_lambda_max=(BOUNDED_LAMBDA_MAX if spec.model in BOUNDED_MODELS
                       else TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",

@@ -162,9 +162,19 @@ def test_routing_controls_follow_the_warmup_variant():
   controls = router_warmup.routing_controls(steps, learn)
   np.testing.assert_array_equal(controls.reveal_probability, [1, 1, 1, 1, 0, 0])
   assert controls.score_gradient is True
+  assert controls.task_gradient is True
   frozen_after = dataclasses.replace(learn, lte_router_frozen_after_warmup=True)
   controls = router_warmup.routing_controls(steps, frozen_after)
   np.testing.assert_array_equal(controls.score_gradient, [True] * 4 + [False] * 2)
+  assert controls.task_gradient is True
+  sparse_after = dataclasses.replace(learn, lte_router_sparsity_only_after_warmup=True)
+  controls = router_warmup.routing_controls(steps, sparse_after)
+  np.testing.assert_array_equal(controls.task_gradient, [True] * 4 + [False] * 2)
+  assert controls.score_gradient is True
+  with pytest.raises(ValueError, match="excludes lte_router_frozen_after_warmup"):
+    dataclasses.replace(sparse_after, lte_router_frozen_after_warmup=True)
+  with pytest.raises(ValueError, match="lte_router_sparsity_only_after_warmup"):
+    dataclasses.replace(base, lte_router_sparsity_only_after_warmup=True)
 
 
 @pytest.mark.slow
