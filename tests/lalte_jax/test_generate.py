@@ -163,6 +163,30 @@ def test_stop_tokens_end_each_row_and_pad_the_rest():
     assert not np.asarray(out.tokens[row, n:]).any()
 
 
+def test_one_prompt_decodes_as_two_rows_and_returns_one(monkeypatch):
+  """A single prompt runs as MIN_DECODE_ROWS identical rows (so one-row projections become
+  GEMMs on the GPU) and comes back as one row, its stop decided by that row alone."""
+  model = tiny_model("gdn_swa", init_std=0.2)
+  built = []
+  real_build = gen.caches.build_cache
+  monkeypatch.setattr(gen.caches, "build_cache",
+                      lambda config, batch, *rest: built.append(batch) or real_build(
+                          config, batch, *rest))
+  gen._generate_jit.clear_cache()  # trace again, so the cache's batch is recorded
+  prompt = [[5, 6, 7, 8]]
+  alone = gen.generate(model, prompt, 9)
+  assert built == [gen.MIN_DECODE_ROWS] and alone.tokens.shape == (1, 9)
+  assert alone.lengths.shape == (1,)
+  pair = gen.generate(model, prompt * 2, 9)
+  np.testing.assert_array_equal(alone.tokens[0], pair.tokens[0])
+  stop = int(alone.tokens[0, 3])
+  first = int(np.flatnonzero(np.asarray(alone.tokens[0]) == stop)[0]) + 1
+  stopped = gen.generate(model, prompt, 9, stop_tokens=[stop])
+  assert int(stopped.lengths[0]) == first
+  np.testing.assert_array_equal(stopped.tokens[0, :first], alone.tokens[0, :first])
+  assert not np.asarray(stopped.tokens[0, first:]).any()
+
+
 # ----------------------------------------------------------------------------- input errors
 
 def test_empty_prompt_raises():
