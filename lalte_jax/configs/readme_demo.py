@@ -4,8 +4,8 @@
 synthetic MQAR generated on the fly (4 key-value pairs in 32 tokens, values drawn from 128 ids, so
 chance is under 1%), then prints its held-out recall accuracy and where it saved the checkpoint
 (runs/readme_demo/checkpoints/<step>) and the exported parameters (runs/readme_demo/export).
-Measured (2026-11-26, jax 0.10.2, idle 2-core CPU): held-out recall 0.897 after 400 steps in
-2.1 min (other seeds and thread counts: tiny_mqar.py). tests/lalte_jax/train/test_cli.py runs it
+Measured (2026-11-28, jax 0.10.2, idle 2-core CPU): held-out recall 0.864 after 400 steps in
+1.9 min (other seeds: tiny_mqar.py). tests/lalte_jax/train/test_cli.py runs it
 and requires recall >= 0.8.
 Running it again resumes from the checkpoint (and, being finished, only evaluates and exports).
 """
