@@ -32,12 +32,16 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # them (the third flag) the tiny laLTE bfloat16 value-and-grad compiles in 2.3 s instead of 6.2 s
 # and tests/lalte_jax/test_model.py runs in 77 s instead of 143 s (same day and machine). jaxlib
 # 0.11.2 has no such flag (and XLA aborts on a flag it does not know), so it is set only on jaxlib
-# 0.10. Every process of a test uses the same flags, so comparisons between them stay exact; the
-# README demo's test drops them to run the command as users do.
-_LEGACY_CPU_EMITTERS = (("--xla_cpu_use_fusion_emitters=false",)
-                        if importlib.metadata.version("jaxlib").startswith("0.10.") else ())
+# 0.10. So is the fourth: one thread per matmul, since the two pytest workers already use both
+# cores and Eigen's thread pools only oversubscribe them (cold compilation caches, -n 2, 2026-11-28:
+# tests/lalte_jax/test_model.py with test_generate.py 117 -> 100 s; train/test_step.py, test_lte.py
+# and train/test_router_warmup.py 62 -> 58 s). Every process of a test uses the same flags, so
+# comparisons between them stay exact; the README demo's test drops them to run the command as
+# users do.
+_LEGACY_CPU_FLAGS = (("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_multi_thread_eigen=false")
+                     if importlib.metadata.version("jaxlib").startswith("0.10.") else ())
 TEST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true", *_LEGACY_CPU_EMITTERS)
+                      "--xla_llvm_disable_expensive_passes=true", *_LEGACY_CPU_FLAGS)
 
 # Seconds: every process joins and compiles each step within LALTE_INIT_TIMEOUT_S of the others
 # (lalte_jax/train/distributed.py); a peer silent for LALTE_HEARTBEAT_TIMEOUT_S counts as dead.
