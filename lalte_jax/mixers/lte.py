@@ -96,6 +96,11 @@ class RoutingControls:
   task_gradient: jax.Array | bool = True
 
 
+def _gradient_where(flag: jax.Array | bool, x: jax.Array) -> jax.Array:
+  """x, with its gradient cut where `flag` is False (a Python True adds nothing to the step)."""
+  return x if flag is True else jnp.where(flag, x, jax.lax.stop_gradient(x))
+
+
 class LTEAttention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -113,13 +118,9 @@ class LTEAttention(nnx.Module):
     routing = routing or RoutingControls()
     q_BTHD, k_BTKD, v_BTKD = self.proj.qkv(x_BTD)
     score_BTK = self.router(k_BTKD, v_BTKD, dropout_key=dropout_key)
-    if routing.score_gradient is not True:  # a Python True adds nothing to the training step
-      score_BTK = jnp.where(routing.score_gradient, score_BTK, jax.lax.stop_gradient(score_BTK))
-    read_score_BTK = score_BTK  # the scores the reads' straight-through gradient reaches
-    if routing.task_gradient is not True:
-      read_score_BTK = jnp.where(routing.task_gradient, score_BTK,
-                                 jax.lax.stop_gradient(score_BTK))
-    v_BTKD = straight_through_scores(v_BTKD, read_score_BTK)
+    score_BTK = _gradient_where(routing.score_gradient, score_BTK)
+    # The scores as the reads' straight-through gradient reaches them.
+    v_BTKD = straight_through_scores(v_BTKD, _gradient_where(routing.task_gradient, score_BTK))
     kept_BTK = selected_tokens(score_BTK)
     reveal = routing.reveal_probability
     if not (isinstance(reveal, (int, float)) and reveal == 0):  # likewise a Python 0

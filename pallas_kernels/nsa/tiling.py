@@ -34,7 +34,8 @@ class NSABlockSizes:
   slc_queries_per_step: int = 4
   slc_queries_per_program: int = 256
   # Warps of the selected forward and dq programs, whose rows are the G heads of one position:
-  # with so few rows, 2 warps ran the forward 22% faster than 4 (H200, B8 T4096 G16, 2026-11-28).
+  # with so few rows, 1 warp ran them in 1,412 and 1,570 us against 2,108 and 2,164 with 4 (H200,
+  # B8 T4096 G16, 2026-11-28).
   slc_num_warps: int = 1
   slc_dq_num_warps: int = 1
   # Decoding: programs per (batch row, KV head), each taking every decode_splits-th selected block
