@@ -46,7 +46,9 @@ warm-up, but the task loss's straight-through gradient no longer reaches the sco
 head's kept count down to the cap, and the tokens with the lowest scores go first. Why: frozen
 routers kept their selection through the switch, but with the keys and values they score still
 training, their kept counts grew to 1.3-3x the cap by the end of the run, and the capped cache
-then evicted queried values (docs/results.md).
+then evicted queried values (docs/results.md). Measured, it does not: with the task gradient cut,
+the sparsity loss is the routers' only gradient, Adam scales its update to the learning rate
+however small lambda is, and the scores fall until a head keeps almost nothing (docs/results.md).
 """
 
 from __future__ import annotations

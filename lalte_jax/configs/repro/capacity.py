@@ -39,6 +39,8 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   straight-through gradient of the task loss): frozen routers kept the recall through the switch
   (94.2 +- 4.2% against 28.7 +- 20.4% for the same checkpoints learning on), but their kept
   counts grew to 1.3-3x the cap, so the capped cache lost up to 10.7 points (docs/results.md);
+  measured on seeds 6-8 it collapsed as well (32.6 +- 22.1%, lambda at its floor): Adam scales
+  the router's only gradient, the sparsity loss's, to the learning rate (docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
