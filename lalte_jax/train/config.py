@@ -108,12 +108,16 @@ class TrainConfig:
   # update, no gradient through the scores): the model then trains on the selection function
   # the warm-up learned. With `lte_router_sparsity_only_after_warmup` they keep learning after it,
   # from the sparsity loss alone (no straight-through gradient of the task loss), so the
-  # controller still holds their count at the cap.
+  # controller still holds their count at the cap. With `lte_router_threshold_rate` r > 0 and
+  # frozen routers, each router's output bias (its keep threshold) moves after every step by
+  # -r ln(c / b) (c: the step's retention count of that layer and head, b: the cap), so the
+  # count settles at the cap while the frozen router's order of tokens stays.
   lte_routing_freeze_steps: int = 0
   lte_routing_freeze_learns: bool = False
   lte_routing_freeze_anneal: bool = False
   lte_router_frozen_after_warmup: bool = False
   lte_router_sparsity_only_after_warmup: bool = False
+  lte_router_threshold_rate: float = 0.0
   # Parallelism: mesh axis sizes; -1 on `mesh_data` takes all remaining devices.
   mesh_data: int = -1
   mesh_fsdp: int = 1
@@ -192,6 +196,11 @@ class TrainConfig:
                   and self.lte_router_sparsity_only_after_warmup),
              "lte_router_sparsity_only_after_warmup",
              "excludes lte_router_frozen_after_warmup (a frozen router learns from nothing)")
+    _require(self.lte_router_threshold_rate >= 0.0, "lte_router_threshold_rate",
+             f"must be >= 0 (0 = off), got {self.lte_router_threshold_rate!r}")
+    _require(not self.lte_router_threshold_rate or self.lte_router_frozen_after_warmup,
+             "lte_router_threshold_rate",
+             "needs lte_router_frozen_after_warmup (it sets the threshold of frozen routers)")
     _require(self.loss_chunk_tokens >= 0, "loss_chunk_tokens",
              f"must be >= 0 (0 = no chunking), got {self.loss_chunk_tokens!r}")
     _require(self.step_timeout_s >= 0, "step_timeout_s",

@@ -49,6 +49,15 @@ training, their kept counts grew to 1.3-3x the cap by the end of the run, and th
 then evicted queried values (docs/results.md). Measured, it does not: with the task gradient cut,
 the sparsity loss is the routers' only gradient, Adam scales its update to the learning rate
 however small lambda is, and the scores fall until a head keeps almost nothing (docs/results.md).
+
+With `lte_router_threshold_rate` r > 0 as well as `lte_router_frozen_after_warmup`, the frozen
+routers' output biases are the one thing that moves after the warm-up: after every step each
+changes by -r ln(c / b) (`threshold_shift`; c: that step's retention count of the layer and KV
+head, b: the cap), outside the optimizer. A bias adds the same amount to every logit of its head,
+so the order in which the router ranks tokens stays as the warm-up learned it, and only the cut
+moves: the count settles at the cap, and the tokens ranked lowest are the ones dropped. Why: the
+frozen routers kept their selection but not their count (see above); the sparsity loss could not
+hold the count without destroying the selection; a threshold set from the count needs no gradient.
 """
 
 from __future__ import annotations
@@ -77,13 +86,18 @@ def is_router_parameter(path) -> bool:
   return ROUTER_MODULE in path_names(path)
 
 
+def is_router_bias(path) -> bool:
+  """Whether the leaf at `path` is an LTE router's output bias (one logit offset per KV head)."""
+  names = path_names(path)
+  return ROUTER_MODULE in names and names[-1] == ROUTER_OUTPUT_BIAS
+
+
 def keep_every_token(params: dict, active: jax.Array | bool) -> dict:
   """`params` with every LTE router's output bias replaced by ROUTER_OFF_LOGIT where `active`
   (a traced or Python bool): the model then keeps every token and passes no gradient to its
   routers. Other leaves are returned as they are."""
   def override(path, leaf):
-    names = path_names(path)
-    if ROUTER_MODULE in names and names[-1] == ROUTER_OUTPUT_BIAS:
+    if is_router_bias(path):
       return jnp.where(active, jnp.asarray(ROUTER_OFF_LOGIT, leaf.dtype), leaf)
     return leaf
   return jax.tree_util.tree_map_with_path(override, params)
@@ -95,6 +109,42 @@ def hold_routers(new_tree, old_tree, active: jax.Array | bool):
   def select(path, new, old):
     return jnp.where(active, old, new) if is_router_parameter(path) else new
   return jax.tree_util.tree_map_with_path(select, new_tree, old_tree)
+
+
+def threshold_shift(count_LH: jax.Array, cap: int, rate: float) -> jax.Array:
+  """The change of each LTE router's output bias after a step whose retention count per LTE
+  layer and KV head was `count_LH` [L_lte, Hkv]: -rate ln(c / cap), float32. Proportional in
+  log space, so the count approaches the cap geometrically from either side; a count below one
+  token counts as half a token, so that an empty head raises its threshold by a bounded step."""
+  count_LH = jnp.maximum(count_LH.astype(jnp.float32), 0.5)
+  return -jnp.float32(rate) * jnp.log(count_LH / jnp.float32(cap))
+
+
+def shift_router_bias(params: dict, shift_LH: jax.Array, active: jax.Array | bool) -> dict:
+  """`params` with `shift_LH` [L_lte, Hkv] (LTE layers in depth order) added to the routers'
+  output biases where `active`. The biases are stacked per layer group ([G, Hkv] each); depth
+  order runs over the groups, then over the LTE blocks of a group in block order."""
+  blocks = sorted({_block_index(path) for path in _router_bias_paths(params)})
+  groups = shift_LH.shape[0] // max(len(blocks), 1)
+  shift_GJH = shift_LH.reshape(groups, len(blocks), shift_LH.shape[-1])
+
+  def add(path, leaf):
+    if is_router_bias(path):
+      shift_GH = shift_GJH[:, blocks.index(_block_index(path))].reshape(leaf.shape)
+      return jnp.where(active, leaf + shift_GH.astype(leaf.dtype), leaf)
+    return leaf
+  return jax.tree_util.tree_map_with_path(add, params)
+
+
+def _router_bias_paths(params: dict) -> list:
+  return [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+          if is_router_bias(path)]
+
+
+def _block_index(path) -> int:
+  """The index of the block within its layer group that holds the leaf at `path`."""
+  names = path_names(path)
+  return names[names.index("blocks") + 1]
 
 
 def reveal_probability(step: jax.Array, freeze_steps: int, anneal: bool) -> jax.Array:

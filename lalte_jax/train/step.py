@@ -25,7 +25,8 @@ Router warm-up (`lte_routing_freeze_steps` = N > 0, lalte_jax/train/router_warmu
 with `lte_routing_freeze_anneal` each evicted token with a probability falling to 0), and
 hold the controller at its initial state; from step N + 1 the controller counts its steps from
 there (and with `lte_router_frozen_after_warmup` the routers learned during the warm-up get no
-update after it).
+update after it, except, with `lte_router_threshold_rate`, their output biases, which follow
+the step's retention count).
 """
 
 from __future__ import annotations
@@ -224,6 +225,11 @@ def make_train_step(graphdef: nnx.GraphDef, model_config: ModelConfig, config: T
       elif config.lte_router_frozen_after_warmup:
         new_params = router_warmup.hold_routers(new_params, state.params,
                                                 jnp.logical_not(frozen))
+        if config.lte_router_threshold_rate:
+          shift_LH = router_warmup.threshold_shift(stats["count_LH"], model_config.lte.cap,
+                                                   config.lte_router_threshold_rate)
+          new_params = router_warmup.shift_router_bias(new_params, shift_LH,
+                                                       jnp.logical_not(frozen))
       # Select, never blend: the old leaves come back bit for bit when the step is skipped.
       keep_new = lambda new, old: jnp.where(finite, new, old)
       new_params = jax.tree.map(keep_new, new_params, state.params)

@@ -463,13 +463,15 @@ def test_study_settings_give_every_windowed_model_the_same_budget():
   assert bounds.pop("lalte_bounded") == bounds.pop("lalte_warmup_bounded") \
       == bounds.pop("lalte_warmup_learn") == bounds.pop("lalte_warmup_anneal") \
       == bounds.pop("lalte_warmup_learn_frozen") == bounds.pop("lalte_warmup_learn_frozen_fork") \
-      == bounds.pop("lalte_warmup_learn_sparse_fork") == capacity.BOUNDED_LAMBDA_MAX < 1.0
+      == bounds.pop("lalte_warmup_learn_sparse_fork") \
+      == bounds.pop("lalte_warmup_learn_threshold_fork") == capacity.BOUNDED_LAMBDA_MAX < 1.0
   assert set(bounds.values()) == {1.0}
   assert models["lalte_bounded"] == models["lalte_warmup_bounded"] == models["lalte"] \
       == models["lalte_warmup_learn"] == models["lalte_warmup_anneal"] \
       == models["lalte_warmup_learn_frozen"] == models["lalte_warmup_learn_frozen_fork"] \
-      == models["lalte_warmup_learn_sparse_fork"]
-  frozen = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork")
+      == models["lalte_warmup_learn_sparse_fork"] == models["lalte_warmup_learn_threshold_fork"]
+  frozen = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork",
+            "lalte_warmup_learn_threshold_fork")
   sparse = ("lalte_warmup_learn_sparse_fork",)
   for model in ("lalte_warmup_bounded", "lalte_warmup_learn", "lalte_warmup_anneal") + frozen \
       + sparse:

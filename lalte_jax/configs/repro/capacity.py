@@ -41,6 +41,11 @@ hybrid family's, so that the models differ in their mixers alone), bf16 compute.
   counts grew to 1.3-3x the cap, so the capped cache lost up to 10.7 points (docs/results.md);
   measured on seeds 6-8 it collapsed as well (32.6 +- 22.1%, lambda at its floor): Adam scales
   the router's only gradient, the sparsity loss's, to the learning rate (docs/results.md);
+  `lalte_warmup_learn_threshold_fork`: the frozen fork whose routers' output biases alone move
+  after the warm-up, set from the retention count (`lte_router_threshold_rate`): the bias
+  shifts every logit of a head alike, so the frozen order of the tokens stays and only the cut
+  moves until the count sits at the cap; built to keep the frozen fork's selection while
+  holding its count (docs/results.md);
   `lansa`: window 64 + 8 selected blocks of 16 (first, previous and current block included):
   at most 192 keys per query, plus its 64 compressed block summaries;
   `gdn_attn`: full causal attention, the upper bound (its cache grows with the sequence);
@@ -81,7 +86,8 @@ from lalte_jax.train.config import TrainConfig
 
 MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup", "lalte_bounded", "lalte_warmup_bounded",
           "lalte_warmup_learn", "lalte_warmup_anneal", "lalte_warmup_learn_frozen",
-          "lalte_warmup_learn_frozen_fork", "lalte_warmup_learn_sparse_fork", "lansa")
+          "lalte_warmup_learn_frozen_fork", "lalte_warmup_learn_sparse_fork",
+          "lalte_warmup_learn_threshold_fork", "lansa")
 ROUTER_OFF = "lalte_router_off"  # trained and evaluated with every token kept
 CHECKS = (ROUTER_OFF,)
 ALL_MODELS = MODELS + CHECKS
@@ -94,6 +100,11 @@ LONG_GAP = 191  # SWA window of 192 keys - 1 (MQARSource docstring); beyond laLT
 # stayed below 6.5e-4 kept the recall it had learned; the two whose lambda reached 0.08 and 0.19
 # lost it (docs/results.md); the paper's bound (`lte_lambda_max`) is 1.
 BOUNDED_LAMBDA_MAX = 1e-3
+# `lalte_warmup_learn_threshold_fork`: the rate r of the router threshold (a bias step of
+# -r ln(count / cap) per step). A count 4x the cap (the frozen fork's largest, seed 6) lowers the
+# bias by 0.014 a step, 1.4 logits in 100 steps; a count within 10% of the cap moves it by less
+# than 0.001, so the step-to-step noise of the count (a mean over 16 sequences) barely shows.
+ROUTER_THRESHOLD_RATE = 0.01
 LEARNING_RATES = (5e-4,)  # docs/results.md, "Changes to the settings"
 SEEDS = (0, 1, 2)
 BASE_SEED = 42  # seed index s trains with TrainConfig.seed = BASE_SEED + s (init and data)
@@ -152,12 +163,15 @@ _MIXER = {
 # evicted tokens revealed with a probability falling to 0 over it; a router frozen after it, or
 # learning from the sparsity loss alone after it.
 ANNEALED_WARMUP_MODELS = ("lalte_warmup_anneal",)
-FROZEN_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork")
+THRESHOLD_MODELS = ("lalte_warmup_learn_threshold_fork",)
+FROZEN_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_frozen", "lalte_warmup_learn_frozen_fork"
+                              ) + THRESHOLD_MODELS
 SPARSITY_ONLY_AFTER_WARMUP_MODELS = ("lalte_warmup_learn_sparse_fork",)
 # {model: parent}: the model's runs start from the parent's run of the same lr, seed, pairs and
 # steps at the end of the router warm-up (`fork_step`), which the parent keeps for them.
 FORKS = {"lalte_warmup_learn_frozen_fork": "lalte_warmup_learn",
-         "lalte_warmup_learn_sparse_fork": "lalte_warmup_learn"}
+         "lalte_warmup_learn_sparse_fork": "lalte_warmup_learn",
+         "lalte_warmup_learn_threshold_fork": "lalte_warmup_learn"}
 LEARNING_WARMUP_MODELS = (("lalte_warmup_learn",) + ANNEALED_WARMUP_MODELS
                           + FROZEN_AFTER_WARMUP_MODELS + SPARSITY_ONLY_AFTER_WARMUP_MODELS)
 WARMUP_MODELS = ("lalte_warmup", "lalte_warmup_bounded") + LEARNING_WARMUP_MODELS
@@ -223,6 +237,8 @@ def study_config(spec: RunSpec, *, output_dir: str = "", smoke: bool = False) ->
       lte_router_frozen_after_warmup=spec.model in FROZEN_AFTER_WARMUP_MODELS and freeze > 0,
       lte_router_sparsity_only_after_warmup=(spec.model in SPARSITY_ONLY_AFTER_WARMUP_MODELS
                                              and freeze > 0),
+      lte_router_threshold_rate=(ROUTER_THRESHOLD_RATE
+                                 if spec.model in THRESHOLD_MODELS and freeze > 0 else 0.0),
       lte_lambda_max=(BOUNDED_LAMBDA_MAX if spec.model in BOUNDED_MODELS
                       else TrainConfig.lte_lambda_max),
       seed=BASE_SEED + spec.seed, output_dir=output_dir or f"runs/capacity/{spec.name}",
