@@ -345,9 +345,11 @@ def markdown(payload: dict, device: str) -> str:
         *_milestone_cells(r.get("milestones") or {}), r["train"]["train_s"],
         _seconds(r["train"].get("step_time_s"))] for r in payload["runs"]])
   probes = _table(
-      ["run", "step", "dCE/dscore values", "dCE/dscore successors", "dCE/dscore fillers",
-       "retained values", "retained successors", "retained fillers"],
-      [[r["name"], step, _round(p["dscore_value"]), _round(p.get("dscore_successor")),
+      ["run", "step", "dCE/dscore values", "dCE/dscore values, norms' scale held",
+       "dCE/dscore successors", "dCE/dscore fillers", "retained values", "retained successors",
+       "retained fillers"],
+      [[r["name"], step, _round(p["dscore_value"]), _round(p.get("dscore_value_held_norm")),
+        _round(p.get("dscore_successor")),
         _round(p["dscore_filler"]), _round(p["retained_value"]),
         _round(p.get("retained_successor")), _round(p["retained_filler"])]
        for r in payload["runs"] for step, p in sorted(r.get("probes", {}).items(),

@@ -21,7 +21,11 @@ LTE layers, measures the kept sets behind both scores:
   counts a query whose value or successor is visible.
 `score_gradients` gives dCE/dscore at every (LTE layer, token, KV head): the straight-through
 signal the router learns from (§4.3); `gradient_summary` averages it over the queried values,
-their successors and the fillers. `router_off_model` returns a model whose LTE layers keep
+their successors and the fillers, and also over the values with the residual stream's RMSNorms
+holding their scale (`hold_norm_scale`: no gradient through their root mean square). Why: the
+signal <dCE/dv, v> is the loss's response to scaling a value up, and a norm undoes a common
+scale, so where one block's output dominates the residual stream the heads' signals can cancel
+(docs/results.md); holding the scale shows what the signal would be without that. `router_off_model` returns a model whose LTE layers keep
 every token.
 
 The capped kept set is computed from the router's scores of the training-time forward with the
@@ -199,9 +203,34 @@ class _ProbedRouter(nnx.Module):
     return self.router(k_BTKD, v_BTKD, mask_BT=mask_BT, dropout_key=dropout_key) + self.probe[...]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _score_gradients(graphdef, state, tokens_BT, labels_BT):
+class _HeldScaleNorm(nnx.Module):
+  """An RMSNorm whose forward is unchanged and whose backward treats 1 / rms(x) as a constant."""
+
+  def __init__(self, norm):
+    self.norm = norm
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    inverse_rms = jax.lax.stop_gradient(
+        jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.norm.eps))
+    return (x32 * inverse_rms * self.norm.weight[...]).astype(x.dtype)
+
+
+def hold_norm_scale(model):
+  """`model` (modified in place) with its residual stream's RMSNorms (each block's two and the
+  final one) replaced by `_HeldScaleNorm`s: the same outputs, no gradient through the scale."""
+  for block in model.groups.blocks:
+    block.mixer_norm = _HeldScaleNorm(block.mixer_norm)
+    block.mlp_norm = _HeldScaleNorm(block.mlp_norm)
+  model.final_norm = _HeldScaleNorm(model.final_norm)
+  return model
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _score_gradients(graphdef, state, tokens_BT, labels_BT, held_norm_scale=False):
   model = nnx.merge(graphdef, state)
+  if held_norm_scale:
+    model = hold_norm_scale(model)
   batch, length = tokens_BT.shape
   heads = model.config.lte.num_kv_heads
   for block in model.groups.blocks:
@@ -224,22 +253,26 @@ def _score_gradients(graphdef, state, tokens_BT, labels_BT):
   return per_block.reshape(-1, batch, length, per_block.shape[-1])
 
 
-def score_gradients(model, tokens_BT, labels_BT) -> np.ndarray:
+def score_gradients(model, tokens_BT, labels_BT, *, held_norm_scale: bool = False
+                    ) -> np.ndarray:
   """dCE/dscore float32 [L_lte, B, T, Hkv] of the mean cross-entropy over the labelled positions
-  (no dropout, no sparsity loss) with respect to every LTE router score."""
+  (no dropout, no sparsity loss) with respect to every LTE router score; with `held_norm_scale`
+  through the residual stream's norms as `hold_norm_scale` makes them."""
   if model.config.num_lte_layers == 0:
     raise ValueError(f"model {model.config.name!r} has no LTE layer")
   graphdef, state = nnx.split(model)
   return np.asarray(_score_gradients(graphdef, state, jnp.asarray(tokens_BT, jnp.int32),
-                                     jnp.asarray(labels_BT, jnp.int32)))
+                                     jnp.asarray(labels_BT, jnp.int32), held_norm_scale))
 
 
 def gradient_summary(model, source: MQARSource, indices) -> dict:
   """Mean dCE/dscore per (LTE layer, KV head) over the queried value tokens, their successors
   and the filler tokens (out-of-window candidates only) of the examples `indices` of `source`,
-  with the retention (score > 0) of each."""
+  with the retention (score > 0) of each; and over the values with the norms' scale held
+  (`dscore_value_held_norm`)."""
   tokens_NT, labels_NT = recall.stacked_examples(source, indices)
   grad_LNTK = score_gradients(model, tokens_NT, labels_NT)
+  held_LNTK = score_gradients(model, tokens_NT, labels_NT, held_norm_scale=True)
   _, score_LNTK = uncapped_forward(model, tokens_NT)
   _, value_NP, filler_NT = _roles(source, indices)
   lte = model.config.lte
@@ -254,6 +287,7 @@ def gradient_summary(model, source: MQARSource, indices) -> dict:
   return {"dscore_value": mean(grad_LNTK, value_NT).tolist(),
           "dscore_successor": mean(grad_LNTK, successor_NT).tolist(),
           "dscore_filler": mean(grad_LNTK, filler_NT).tolist(),
+          "dscore_value_held_norm": mean(held_LNTK, value_NT).tolist(),
           "retained_value": mean(score_LNTK > 0, value_NT).tolist(),
           "retained_successor": mean(score_LNTK > 0, successor_NT).tolist(),
           "retained_filler": mean(score_LNTK > 0, filler_NT).tolist(),

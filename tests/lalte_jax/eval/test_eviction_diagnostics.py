@@ -116,12 +116,18 @@ def test_diagnostics_match_the_forward_pass_the_cached_evaluation_and_the_cache(
   assert len(result["value_retention"]) == model.config.num_lte_layers
 
 
-@pytest.mark.slow
-def test_score_gradients_sum_to_the_router_bias_gradient():
+def _probe_batch():
+  """A tiny laLTE model and two MQAR sequences of 64 tokens: (model, source, tokens, labels)."""
   model = tiny_model("lalte")
   source = MQARSource(num_examples=2, seq_len=64, vocab_size=256, num_kv_pairs=4, seed=2)
   tokens = np.stack([source[i]["tokens"] for i in range(2)])
   labels = np.stack([source[i]["labels"] for i in range(2)])
+  return model, source, tokens, labels
+
+
+@pytest.mark.slow
+def test_score_gradients_sum_to_the_router_bias_gradient():
+  model, source, tokens, labels = _probe_batch()
   grad = diagnostics.score_gradients(model, tokens, labels)  # [L_lte, B, T, K]
   _, score = diagnostics.uncapped_forward(model, tokens)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -155,3 +161,29 @@ def test_score_gradients_sum_to_the_router_bias_gradient():
   np.testing.assert_allclose(summary["retained_successor"],
                              ((score > 0) & successor[None, :, :, None]).sum(axis=(1, 2))
                              / successor.sum())
+
+
+def test_a_held_scale_norm_has_the_forward_of_rmsnorm_and_no_gradient_through_the_scale():
+  from lalte_jax.layers.norms import RMSNorm
+  norm = RMSNorm(6, eps=1e-6)
+  norm.weight[...] = jnp.linspace(0.5, 1.5, 6)
+  held = diagnostics._HeldScaleNorm(norm)
+  x = jax.random.normal(jax.random.key(0), (3, 6))
+  np.testing.assert_allclose(held(x), norm(x), rtol=1e-6)
+  # A common scale of x leaves RMSNorm unchanged, so its derivative along x is 0; with the
+  # scale held it is the output itself.
+  along_x = lambda f: jax.jvp(lambda y: jnp.sum(f(y) * f(x)), (x,), (x,))[1]
+  np.testing.assert_allclose(along_x(norm), 0.0, atol=1e-4)
+  np.testing.assert_allclose(along_x(held), jnp.sum(norm(x) ** 2), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_gradient_summary_holds_the_norms_scale_without_changing_the_model():
+  model, source, tokens, labels = _probe_batch()
+  plain = diagnostics.score_gradients(model, tokens, labels)
+  held = diagnostics.score_gradients(model, tokens, labels, held_norm_scale=True)
+  assert held.shape == plain.shape and np.isfinite(held).all()
+  assert not np.allclose(held, plain)  # the scale's path through the norms is gone
+  np.testing.assert_array_equal(diagnostics.score_gradients(model, tokens, labels), plain)
+  summary = diagnostics.gradient_summary(model, source, range(2))
+  assert np.asarray(summary["dscore_value_held_norm"]).shape == (2, 2)  # [L_lte, Hkv]
