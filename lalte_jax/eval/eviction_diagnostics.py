@@ -25,8 +25,8 @@ their successors and the fillers, and also over the values with the residual str
 holding their scale (`hold_norm_scale`: no gradient through their root mean square). Why: the
 signal <dCE/dv, v> is the loss's response to scaling a value up, and a norm undoes a common
 scale, so where one block's output dominates the residual stream the heads' signals can cancel
-(docs/results.md); holding the scale shows what the signal would be without that. `router_off_model` returns a model whose LTE layers keep
-every token.
+(docs/results.md); holding the scale shows what the signal would be without that.
+`router_off_model` returns a model whose LTE layers keep every token.
 
 The capped kept set is computed from the router's scores of the training-time forward with the
 cache's own compaction op (`pallas_kernels.lte_cache_ops.compact_top_scores`, as
@@ -48,6 +48,7 @@ from flax import nnx
 
 from lalte_jax.data.synthetic import IGNORE_LABEL, MQARSource
 from lalte_jax.eval import recall
+from lalte_jax.layers.norms import inverse_rms
 from lalte_jax.train import router_warmup
 from pallas_kernels.lte_cache_ops import compact_top_scores
 
@@ -211,9 +212,8 @@ class _HeldScaleNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    inverse_rms = jax.lax.stop_gradient(
-        jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.norm.eps))
-    return (x32 * inverse_rms * self.norm.weight[...]).astype(x.dtype)
+    held_BT1 = jax.lax.stop_gradient(inverse_rms(x32, self.norm.eps))
+    return (x32 * held_BT1 * self.norm.weight[...]).astype(x.dtype)
 
 
 def hold_norm_scale(model):
@@ -256,8 +256,8 @@ def _score_gradients(graphdef, state, tokens_BT, labels_BT, held_norm_scale=Fals
 def score_gradients(model, tokens_BT, labels_BT, *, held_norm_scale: bool = False
                     ) -> np.ndarray:
   """dCE/dscore float32 [L_lte, B, T, Hkv] of the mean cross-entropy over the labelled positions
-  (no dropout, no sparsity loss) with respect to every LTE router score; with `held_norm_scale`
-  through the residual stream's norms as `hold_norm_scale` makes them."""
+  (no dropout, no sparsity loss) with respect to every LTE router score; with `held_norm_scale`,
+  of the model as `hold_norm_scale` changes it."""
   if model.config.num_lte_layers == 0:
     raise ValueError(f"model {model.config.name!r} has no LTE layer")
   graphdef, state = nnx.split(model)

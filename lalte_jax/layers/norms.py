@@ -7,10 +7,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
+  """1 / sqrt(mean(x^2, -1) + eps) of a float32 x, keeping the reduced axis."""
+  return jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
   """x / sqrt(mean(x^2, -1) + eps), computed in float32."""
   x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  return x32 * inverse_rms(x32, eps)
 
 
 class RMSNorm(nnx.Module):

@@ -12,11 +12,7 @@ from lalte_jax.configs.repro import capacity
 from lalte_jax.train import router_warmup
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.trainer import Trainer
-
-
-def _leaves(tree) -> dict:
-  return {jax.tree_util.keystr(path): (path, np.asarray(leaf))
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+from tests.lalte_jax.train.test_router_warmup import _leaves
 
 
 def test_threshold_shift_is_proportional_in_log_space():
