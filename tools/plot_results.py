@@ -146,7 +146,8 @@ def _grouped_bars(rows: list[dict], kinds, path: pathlib.Path, *, ylabel: str,
       values = (row.get(key) or {}).get("values", [])
       axis.scatter([x] * len(values), values, color="k", s=8, zorder=3)
   axis.set_xticks(range(len(rows)))
-  axis.set_xticklabels(tick_labels, fontsize=8)
+  # Slanted: the fork models' names are wider than a group of bars.
+  axis.set_xticklabels(tick_labels, fontsize=8, rotation=20, ha="right")
   axis.set_ylim(0, 102)
   axis.set_ylabel(ylabel)
   axis.grid(axis="y", alpha=0.3)
@@ -155,10 +156,11 @@ def _grouped_bars(rows: list[dict], kinds, path: pathlib.Path, *, ylabel: str,
 
 
 def plot_accuracy_by_model(results: dict, path: pathlib.Path) -> pathlib.Path:
-  """Per model: capped, uncapped and control accuracy (bars: means, dots: every seed)."""
-  rows = list(results["rows"].values())
+  """Per model with a finished run: capped, uncapped and control accuracy (bars: means, dots:
+  every seed)."""
+  rows = [row for row in results["rows"].values() if row.get("capped") or row.get("control")]
   if not rows:
-    raise ValueError("results: no model has a chosen learning rate yet")
+    raise ValueError("results: no model has a finished run yet")
   return _grouped_bars(
       rows, (("capped", "capped (cache)"), ("uncapped", "uncapped"), ("control", "P=8 control")),
       path, ylabel="long-gap MQAR accuracy (%)",
