@@ -10,7 +10,8 @@ needs, so one invocation may run several stages):
 1. sweep: every model of MODELS and CHECKS at every learning rate (`--lrs`), seed 0, P = 96;
 2. seeds: the other seeds (`--seeds`) of every model at its chosen lr (the sweep run with the
    best capped accuracy on the held-out "select" split; uncapped for the router-off check);
-3. control: every model of MODELS at its chosen lr with P = 8 (`--control-steps` steps);
+3. control: every model of `--models` in CONTROL_MODELS at its chosen lr with P = 8
+   (`--control-steps` steps; a fork's control forks its parent's control);
 4. forks (`capacity.FORKS`): every seed at the parent's lr, once the parent's run has saved the
    end of its router warm-up (the parent keeps that checkpoint; it is copied into the fork's
    run directory with the parent's metrics and probe up to it, and the fork resumes from it).
@@ -138,7 +139,6 @@ def plan(args, records: list[dict]) -> list[capacity.RunSpec]:
   forks = [m for m in args.models if m in capacity.FORKS]
   parents = [capacity.FORKS[m] for m in forks if capacity.FORKS[m] not in args.models]
   own = [m for m in args.models if m not in capacity.FORKS] + list(dict.fromkeys(parents))
-  main_models = [m for m in own if m in capacity.MODELS and m not in parents]
   specs = [capacity.RunSpec(m, lr, 0, capacity.NUM_KV_PAIRS, args.steps)
            for m in own for lr in args.lrs]
   # The checks run every seed too: seed-to-seed spread is larger than the checks' margins.
@@ -146,9 +146,11 @@ def plan(args, records: list[dict]) -> list[capacity.RunSpec]:
                                    args.steps)
   specs += [capacity.RunSpec(m, chosen[m], seed, capacity.NUM_KV_PAIRS, args.steps)
             for m in own if m in chosen for seed in args.seeds if seed != 0]
-  if args.control_steps:
-    specs += [capacity.RunSpec(m, chosen[m], 0, capacity.CONTROL_KV_PAIRS, args.control_steps)
-              for m in main_models if m in chosen]
+  if args.control_steps:  # a fork's control is a fork of its parent's control
+    controls = [capacity.RunSpec(m, chosen[m], 0, capacity.CONTROL_KV_PAIRS, args.control_steps)
+                for m in args.models if m in capacity.CONTROL_MODELS and m in chosen]
+    specs += list(dict.fromkeys(run for control in controls
+                                for run in (capacity.fork_parent(control), control) if run))
   specs += [capacity.RunSpec(m, chosen[m], seed, capacity.NUM_KV_PAIRS, args.steps)
             for m in forks if m in chosen for seed in args.seeds]
   return specs

@@ -113,6 +113,11 @@ STEPS = 48000  # gdn_attn: 49% at 16000 steps, 99.7% at 48000 (docstring)
 # The P = 8 control trains as long as the main runs: at 8000 steps gdn_swa's control recalled
 # 0.4% of its queries, its loss still at the plateau (7.97; docs/results.md, 2026-11-28).
 CONTROL_STEPS = STEPS
+# The models whose P = 8 control the study trains: the main table's (the upper bound, the window,
+# the paper's laLTE recipe, the laLTE recipe that meets the targets, laNSA). A 48,000-step control
+# costs as much as a main run, so the other variants (one-factor changes of laLTE's training) are
+# left to `--models` runs of their own.
+CONTROL_MODELS = ("gdn_attn", "gdn_swa", "lalte", "lalte_warmup_learn_threshold_fork", "lansa")
 # Held-out long-gap MQAR, never trained on (the training streams use seeds 16 * (42 + s) + i):
 # "select" picks each model's learning rate by its capped accuracy, "test" is what the study
 # reports. `probe_examples` of "select" measure dCE/dscore during training.
