@@ -130,6 +130,23 @@ def test_one_compile_per_bucket_and_traced_sampling_parameters():
   np.testing.assert_array_equal(first.tokens, again.tokens)  # explicit keys: reproducible
 
 
+def test_decode_step_fn_matches_decode_step_and_shares_its_compile():
+  model = tiny_model("gdn_swa", init_std=0.2)
+  tokens = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+  def prefilled():
+    return gen.prefill(model, tokens, gen.init_cache(model, 2))
+
+  logits, cache = prefilled()
+  token = jnp.argmax(logits, -1).astype(jnp.int32)
+  want, _ = gen.decode_step(model, token, cache)
+  got, cache = gen.decode_step_fn(model)(token, prefilled()[1])
+  np.testing.assert_array_equal(got, want)
+  before = gen.TRACE_COUNTS["decode"]
+  gen.decode_step_fn(model)(token, cache)  # another step function of the model: no new compile
+  assert gen.TRACE_COUNTS["decode"] == before
+
+
 def test_top_k_and_top_p_keep_the_documented_tokens():
   """Probabilities 0.5, 0.25, 0.15, 0.1: top-p keeps the smallest top set whose mass reaches p
   (0.7 -> two tokens, 0.8 -> three), top-k 2 the two largest; samples never leave the kept set."""
