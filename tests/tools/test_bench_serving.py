@@ -85,6 +85,7 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
     assert r["bound_ms"] == pytest.approx(
         r["step_bytes"]["total"] / (report["copy_gb_per_s"] * 1e9) * 1e3)
     assert r["of_bound"] == pytest.approx(r["bound_ms"] / r["decode_ms"])
+    assert r["pipelined_of_bound"] == pytest.approx(r["bound_ms"] / r["decode_pipelined_ms"])
     assert r["prefill_memory"] > 0 and r["decode_memory"] > 0
   # laLTE's cache has a constant size; full attention reads more after a longer prompt.
   assert rows[0]["step_bytes"] == rows[1]["step_bytes"]
