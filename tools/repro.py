@@ -33,7 +33,9 @@ what a later invocation on another machine needs.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -77,6 +79,10 @@ def parse_args(argv):
   parser.add_argument("--control-steps", type=int, default=capacity.CONTROL_STEPS,
                       help="steps of a P=8 control run (0: no controls)")
   parser.add_argument("--parallel", type=int, default=1, help="runs at once (child processes)")
+  parser.add_argument("--devices", default="",
+                      help="comma-separated GPU ids (e.g. 0,1,2,3): each run starts on the one"
+                           " running the fewest runs (CUDA_VISIBLE_DEVICES); default: every run"
+                           " sees the machine's devices and uses the first")
   parser.add_argument("--budget-s", type=float, default=None,
                       help="wall-clock seconds for this invocation (default: no limit)")
   parser.add_argument("--min-start-s", type=float, default=150.0,
@@ -92,8 +98,9 @@ def parse_args(argv):
   try:
     args.models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     args.lrs, args.seeds = _floats(args.lrs), _ints(args.seeds)
+    args.devices = tuple(str(device) for device in _ints(args.devices))
   except ValueError as error:
-    parser.error(f"--lrs/--seeds: {error}")
+    parser.error(f"--lrs/--seeds/--devices: {error}")
   unknown = [m for m in args.models if m not in capacity.ALL_MODELS]
   if unknown or not args.models:
     parser.error(f"--models: {list(unknown or args.models)} not in {capacity.ALL_MODELS}")
@@ -204,6 +211,7 @@ class Scheduler:
     self.args, self.out = args, out
     self.start = time.monotonic()
     self.running: dict[str, tuple[subprocess.Popen, object]] = {}
+    self.device_of: dict[str, str] = {}  # run name -> GPU id, with --devices
     self.failed: set[str] = set()  # not retried in this invocation
 
   def time_left(self) -> float:
@@ -232,14 +240,25 @@ class Scheduler:
           self.failed.add(spec.name)
           print(f"   {spec.name}: cannot fork, {error}", flush=True)
 
+  def next_device(self) -> str | None:
+    """The GPU of `--devices` that runs the fewest runs now (the first of equals), or None."""
+    if not self.args.devices:
+      return None
+    load = collections.Counter(self.device_of[name] for name in self.running)
+    return min(self.args.devices, key=lambda device: load[device])
+
   def launch(self, spec: capacity.RunSpec) -> None:
     directory = run_dir(self.out, spec)
     repro_run.write_spec(directory, spec, self.args.smoke)
     log = (directory / "log.txt").open("a")
     command = [sys.executable, str(_TOOLS / "repro_run.py"), str(directory)]
-    self.running[spec.name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
-                               log)
-    print(f"   start {spec.name}", flush=True)
+    device = self.next_device()
+    env = None if device is None else dict(os.environ, CUDA_VISIBLE_DEVICES=device)
+    self.running[spec.name] = (
+        subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    if device is not None:
+      self.device_of[spec.name] = device
+    print(f"   start {spec.name}" + ("" if device is None else f" on GPU {device}"), flush=True)
 
   def reap(self) -> None:
     for name, (process, log) in list(self.running.items()):

@@ -16,8 +16,8 @@
 #   report.tar.gz        results.json/.md, trajectories.json, the figures, every run's small files;
 #   state.tar.gz.00ofMM  the state for the next invocation (tools/repro_state.py; at most
 #   ...                  STUDY_MAX_PARTS parts of 14 MiB): put them where STATE_PREFIX points.
-# STUDY_BUDGET_S (default 510) bounds the whole script, STUDY_PARALLEL (default 12) the runs at
-# once; STUDY_ARGS adds arguments to tools/repro.py (e.g. "--models gdn_attn,lalte").
+# STUDY_BUDGET_S (default 510) bounds the whole script, STUDY_PARALLEL (default 12 per GPU) the
+# runs at once; STUDY_ARGS adds arguments to tools/repro.py (e.g. "--models gdn_attn,lalte").
 set -uo pipefail
 mkdir -p "${1:?usage: tools/study_gpu.sh RESULT_DIR [STATE_PREFIX]}"
 result=$(cd "$1" && pwd)  # absolute: the report is packed from inside the study directory
@@ -35,6 +35,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 export TRITON_CACHE_DIR=$PWD/.cache/triton JAX_COMPILATION_CACHE_DIR=$PWD/.cache/jax \
   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 nvidia-smi --query-gpu=name,memory.total --format=csv >>"$log" 2>&1
+# On a machine of several GPUs each run starts on the least busy one (tools/repro.py --devices).
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+devices=()
+[ "$gpus" -gt 1 ] && devices=(--devices "$(seq -s, 0 $((gpus - 1)))")
 
 if [ ! -d "$study/runs" ] && compgen -G "$state.[0-9][0-9]of[0-9][0-9]" >/dev/null; then
   python3 tools/repro_state.py unpack "$state" "$study" >>"$log" 2>&1
@@ -51,8 +55,8 @@ fi
 left=$((budget_s - ($(date +%s) - start) - 60))
 echo "### $(date +%T) tools/repro.py with ${left}s" >>"$log"
 # shellcheck disable=SC2086  # STUDY_ARGS is a list of arguments
-python3 tools/repro.py --out "$study" --parallel "${STUDY_PARALLEL:-12}" --budget-s "$left" \
-  ${STUDY_ARGS:-} >>"$log" 2>&1
+python3 tools/repro.py --out "$study" --parallel "${STUDY_PARALLEL:-$((12 * (gpus > 1 ? gpus : 1)))}" \
+  --budget-s "$left" "${devices[@]}" ${STUDY_ARGS:-} >>"$log" 2>&1
 echo "### exit $? after $(($(date +%s) - start))s" >>"$log"
 for run in "$study"/runs/*/; do  # the end of each run's log, for the record
   echo "### $run" >>"$log"; tail -n 3 "$run/log.txt" >>"$log" 2>&1

@@ -58,6 +58,34 @@ def test_plan_sweeps_then_runs_seeds_and_controls_at_the_chosen_lr(tmp_path):
     repro.parse_args(["--models", "mamba"])
 
 
+def test_runs_start_on_the_least_busy_of_the_devices(tmp_path, monkeypatch):
+  repro = load_tool("repro")
+  args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn,gdn_swa,lalte",
+                           "--lrs", "5e-4", "--seeds", "0,1", "--devices", "0,1"])
+  started = []
+
+  class FakeProcess:  # records where each run would start; never finishes
+    def __init__(self, command, stdout, stderr, env):
+      del stdout, stderr
+      started.append((pathlib.Path(command[-1]).name, env["CUDA_VISIBLE_DEVICES"]))
+
+    def poll(self):
+      return None
+
+  monkeypatch.setattr(repro.subprocess, "Popen", FakeProcess)
+  scheduler = repro.Scheduler(args, tmp_path)
+  specs = repro.plan(args, [])
+  for spec in specs[:3]:
+    scheduler.launch(spec)
+  del scheduler.running[specs[0].name]  # the first run on device 0 ends: 0 is the least busy
+  scheduler.launch(specs[3])
+  assert [device for _, device in started] == ["0", "1", "0", "0"]
+  assert [name for name, _ in started] == [spec.name for spec in specs[:4]]
+  assert repro.parse_args(["--out", str(tmp_path)]).devices == ()  # default: no assignment
+  with pytest.raises(SystemExit):
+    repro.parse_args(["--devices", "gpu0"])
+
+
 def test_plan_with_one_lr_starts_every_seed_at_once(tmp_path):
   repro = load_tool("repro")
   args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn,lalte_router_off",
