@@ -58,6 +58,16 @@ def write_spec(run_dir: pathlib.Path, spec: capacity.RunSpec, smoke: bool) -> No
   (run_dir / RUN_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _pace(stopped: dict, steps: int) -> str:
+  """How fast a stopped run went in this invocation (compilation included) and how long the rest
+  of its `steps` takes at that pace: what the next invocation's budget must hold to finish it."""
+  done = stopped["stopped_at"] - stopped["started_at"]
+  rate = done / stopped["elapsed_s"] if stopped["elapsed_s"] > 0 else 0.0
+  left = steps - stopped["stopped_at"]
+  finish = f"~{left / rate:,.0f} s" if rate > 0 else "unknown"
+  return f"{done:,} steps at {rate:.1f} steps/s, {left:,} left ({finish} at that pace)"
+
+
 def _median_step_time(metrics_path: pathlib.Path) -> float | None:
   if not metrics_path.is_file():
     return None
@@ -112,7 +122,8 @@ def run(run_dir: pathlib.Path) -> int:
   finally:
     checkpoints.close()
   if "stopped_at" in summary:
-    print(f"{spec.name}: stopped after step {summary['stopped_at']}; checkpoint saved", flush=True)
+    print(f"{spec.name}: stopped after step {summary['stopped_at']}; checkpoint saved;"
+          f" {_pace(summary, config.steps)}", flush=True)
     return 0
   train_s = time.perf_counter() - start
   model = checkpoint.load_model(summary["export"], dtype="float32")

@@ -254,7 +254,8 @@ class Trainer:
           self.checkpoints.save(step, self.state, self.data_iterator)
         watchdog.feed()
         if stop is not None and stop.stop_now(step, config.stop_check_every):
-          return {"stopped_at": step, "signal": stop.signal_name or "another process",
+          return {"stopped_at": step, "started_at": start_step,
+                  "signal": stop.signal_name or "another process",
                   "elapsed_s": time.perf_counter() - wall_start}
     if previous is not None:
       check_skipped_steps(sharding.to_host(previous["skipped_consecutive"]), config.steps,

@@ -403,6 +403,13 @@ def test_smoke_study_resumes_a_partly_trained_run_then_skips_it(tmp_path, capsys
   assert all(p.stat().st_size > 1000 for p in written)
 
 
+def test_a_stopped_run_reports_its_pace_and_the_time_the_rest_needs():
+  pace = load_tool("repro_run")._pace  # pylint: disable=protected-access
+  stopped = {"stopped_at": 30_000, "started_at": 24_000, "elapsed_s": 300.0}
+  assert pace(stopped, 48_000) == "6,000 steps at 20.0 steps/s, 18,000 left (~900 s at that pace)"
+  assert pace(dict(stopped, stopped_at=24_000), 48_000).endswith("24,000 left (unknown at that pace)")
+
+
 def test_a_fork_is_planned_with_its_parent_and_made_from_its_checkpoint(tmp_path):
   repro = load_tool("repro")
   from lalte_jax.configs.repro import capacity  # pylint: disable=import-outside-toplevel

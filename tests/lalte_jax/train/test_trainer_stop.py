@@ -24,6 +24,7 @@ def test_sigterm_stops_a_run_without_checkpoints_after_the_step_in_flight():
   previous = signal.getsignal(signal.SIGTERM)
   summary = trainer.run()
   assert summary["stopped_at"] == 3 and summary["signal"] == "SIGTERM"
+  assert summary["started_at"] == 0  # the step it began from in this invocation
   assert "checkpoint" not in summary and int(trainer.state.step) == 3
   assert signal.getsignal(signal.SIGTERM) is previous  # the handler is restored after the loop
   assert 0.0 <= trainer.evaluate()["eval_recall_accuracy"] <= 1.0  # the state is still usable
