@@ -23,8 +23,9 @@ checkpoints, `export/`, `records.json` once finished, `log.txt`) and runs as a c
 Resuming: the study is a pure function of what is on disk. An invocation skips finished runs
 (records.json), resumes unfinished ones from their newest checkpoint, and starts the rest.
 With `--budget-s` it starts no run when less than `--min-start-s` remain, and `--grace-s` before
-the end it sends SIGTERM to the runs still going: they save their step and exit (a child still
-busy after the grace is killed; it resumes from its previous checkpoint). Then it writes
+the end it sends SIGTERM to the runs still training: they save their step and exit (a child still
+busy after the grace is killed; it resumes from its previous checkpoint). A run that has trained
+its last step and is evaluating gets the grace period to finish instead. Then it writes
 results.json / results.md and every run's training curve, trajectories.json
 (tools/repro_report.py). Run the same command again to continue; `tools/repro_state.py` packs
 what a later invocation on another machine needs.
@@ -53,6 +54,7 @@ import repro_state  # pylint: disable=wrong-import-position
 
 from lalte_jax.configs.repro import capacity  # pylint: disable=wrong-import-position
 from lalte_jax.train.checkpointing import CHECKPOINT_DIR  # pylint: disable=wrong-import-position
+from lalte_jax.train.trainer import SUMMARY_FILE  # pylint: disable=wrong-import-position
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -272,11 +274,21 @@ class Scheduler:
       print(f"   {name}: exit {process.returncode}"
             f" ({'finished' if finished else 'not finished'})", flush=True)
 
+  def evaluating(self, name: str) -> bool:
+    """Whether run `name` has trained its last step and is evaluating (no records yet)."""
+    directory = self.out / repro_report.RUNS_DIR / name
+    return (directory / SUMMARY_FILE).is_file() and not (
+        directory / repro_run.RECORDS_FILE).is_file()
+
   def stop_all(self) -> None:
-    """SIGTERM to every run (they save and exit), SIGKILL to those still going after the
-    grace period."""
-    for process, _ in self.running.values():
-      process.terminate()
+    """SIGTERM to every run that still trains (they save and exit), SIGKILL to those still going
+    after the grace period. A run that is evaluating gets the grace period to finish: a stop would
+    lose its evaluation and leave a finished run's checkpoint to carry to the next invocation."""
+    for name, (process, _) in self.running.items():
+      if self.evaluating(name):
+        print(f"   {name}: evaluating, left to finish within the grace period", flush=True)
+      else:
+        process.terminate()
     end = time.monotonic() + self.args.grace_s
     while self.running and time.monotonic() < end:
       time.sleep(1)

@@ -42,6 +42,9 @@ from lalte_jax.train.step import (TrainState, check_skipped_steps, init_train_st
                         model_graphdef)
 from lalte_jax.train.watchdog import StepWatchdog
 
+# Written into the run directory when training reaches its last step (not when stopped early).
+SUMMARY_FILE = "summary.json"
+
 
 def make_source(config: TrainConfig, *, split: str):
   """The data source of `split` ("train" or "eval"): synthetic eval examples come from another
@@ -204,7 +207,7 @@ class Trainer:
     if jax.process_index() == 0:
       path = pathlib.Path(config.run_dir)
       path.mkdir(parents=True, exist_ok=True)
-      (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+      (path / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     self.logger.close()
     return summary
 

@@ -86,6 +86,48 @@ def test_runs_start_on_the_least_busy_of_the_devices(tmp_path, monkeypatch):
     repro.parse_args(["--devices", "gpu0"])
 
 
+def test_at_the_budget_a_run_that_evaluates_is_left_to_finish(tmp_path, monkeypatch, capsys):
+  repro = load_tool("repro")
+  args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn", "--lrs", "5e-4",
+                           "--seeds", "0,1,2", "--control-steps", "0", "--grace-s", "3"])
+  terminated = []
+
+  class FakeProcess:  # a run that exits once told to stop, or once its records exist
+    def __init__(self, command, stdout, stderr, env):
+      del stdout, stderr, env
+      self.directory, self.returncode = pathlib.Path(command[-1]), None
+
+    def poll(self):
+      if self.returncode is None and (self.directory / "records.json").is_file():
+        self.returncode = 0
+      return self.returncode
+
+    def terminate(self):
+      terminated.append(self.directory.name)
+      self.returncode = 0
+
+    def kill(self):
+      self.returncode = -9
+
+    def wait(self):
+      return self.returncode
+
+  monkeypatch.setattr(repro.subprocess, "Popen", FakeProcess)
+  scheduler = repro.Scheduler(args, tmp_path)
+  training, evaluating, slow = repro.plan(args, [])
+  for spec in (training, evaluating, slow):
+    scheduler.launch(spec)
+  for spec in (evaluating, slow):  # both trained their last step
+    (repro.run_dir(tmp_path, spec) / "summary.json").write_text("{}")
+  monkeypatch.setattr(repro.time, "sleep", lambda _: (  # evaluating's records come a second later
+      repro.run_dir(tmp_path, evaluating) / "records.json").write_text("{}"))
+  scheduler.stop_all()
+  assert terminated == [training.name]  # neither evaluating run was told to stop
+  out = capsys.readouterr().out
+  assert f"{evaluating.name}: exit 0 (finished)" in out
+  assert f"{slow.name}: killed after the grace period" in out  # its evaluation outlasted the grace
+
+
 def test_plan_with_one_lr_starts_every_seed_at_once(tmp_path):
   repro = load_tool("repro")
   args = repro.parse_args(["--out", str(tmp_path), "--models", "gdn_attn,lalte_router_off",
