@@ -268,17 +268,19 @@ class Scheduler:
         continue
       log.close()
       del self.running[name]
-      finished = (self.out / repro_report.RUNS_DIR / name / repro_run.RECORDS_FILE).is_file()
+      finished = (self.directory(name) / repro_run.RECORDS_FILE).is_file()
       if process.returncode != 0:
         self.failed.add(name)
       print(f"   {name}: exit {process.returncode}"
             f" ({'finished' if finished else 'not finished'})", flush=True)
 
+  def directory(self, name: str) -> pathlib.Path:
+    return self.out / repro_report.RUNS_DIR / name
+
   def evaluating(self, name: str) -> bool:
     """Whether run `name` has trained its last step and is evaluating (no records yet)."""
-    directory = self.out / repro_report.RUNS_DIR / name
-    return (directory / SUMMARY_FILE).is_file() and not (
-        directory / repro_run.RECORDS_FILE).is_file()
+    return (self.directory(name) / SUMMARY_FILE).is_file() and not (
+        self.directory(name) / repro_run.RECORDS_FILE).is_file()
 
   def stop_all(self) -> None:
     """SIGTERM to every run that still trains (they save and exit), SIGKILL to those still going
