@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from tests.tools import load_tool
@@ -72,9 +73,11 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
   output = tmp_path / "serving.json"
   assert bench.main(["--presets", "lalte-tiny", "gdn_attn-tiny", "--batches", "2",
                      "--prompts", "24", "40", "--steps", "2", "--warmup", "1",
-                     "--prefill-iters", "1", "--copy-mib", "8", "--json", str(output)]) == 0
+                     "--prefill-iters", "1", "--copy-mib", "8", "--generate", "9", "16",
+                     "--json", str(output)]) == 0
   report = json.loads(output.read_text())
-  assert report["copy_gb_per_s"] > 0 and report["device_kind"]
+  assert report["copy_gb_per_s"] > 0 and report["copy_gb_per_s_synchronous"] > 0
+  assert report["device_kind"]
   rows = report["rows"]
   assert [(r["model"], r["prompt"]) for r in rows] == [
       ("lalte-tiny", 24), ("lalte-tiny", 40), ("gdn_attn-tiny", 24), ("gdn_attn-tiny", 40)]
@@ -87,17 +90,22 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
     assert r["of_bound"] == pytest.approx(r["bound_ms"] / r["decode_ms"])
     assert r["pipelined_of_bound"] == pytest.approx(r["bound_ms"] / r["decode_pipelined_ms"])
     assert r["prefill_memory"] > 0 and r["decode_memory"] > 0
+    assert np.isfinite(r["generate_ms_per_token"])  # a difference of times: noisy on a CPU
+    assert r["generate_of_bound"] == pytest.approx(r["bound_ms"] / r["generate_ms_per_token"])
   # laLTE's cache has a constant size; full attention reads more after a longer prompt.
   assert rows[0]["step_bytes"] == rows[1]["step_bytes"]
   assert rows[3]["step_bytes"]["cache"] > rows[2]["step_bytes"]["cache"]
   printed = capsys.readouterr().out
   assert printed.count("| lalte-tiny | 2 |") == 2 and "of bound" in printed
+  assert "generate ms / token" in printed
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--presets", "lalte-huge"], "--presets: "),
     (["--batches", "0"], "must be >= 1"),
     (["--warmup", "-1"], "--warmup >= 0"),
+    (["--generate", "100", "300"], "one bucket"),
+    (["--generate", "16", "9"], "SHORT < LONG"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:

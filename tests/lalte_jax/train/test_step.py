@@ -33,12 +33,17 @@ def _leaves_equal(a, b) -> bool:
   return all(same(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def tiny_lalte_bf16_config() -> TrainConfig:
+  """lalte-tiny in bf16 compute (float32 master weights), 40 steps at lr 3e-3."""
+  return TrainConfig(variant="lalte", size="tiny", model_dtype="bfloat16", seq_len=SEQ_LEN,
+                     global_batch_size=BATCH, steps=40, warmup_steps=2, lr=3e-3,
+                     max_consecutive_skips=3)
+
+
 @pytest.fixture(scope="module")
 def bf16_setup():
-  """lalte-tiny in bf16 compute (float32 master weights), one jitted step for several tests."""
-  config = TrainConfig(variant="lalte", size="tiny", model_dtype="bfloat16", seq_len=SEQ_LEN,
-                       global_batch_size=BATCH, steps=40, warmup_steps=2, lr=3e-3,
-                       max_consecutive_skips=3)
+  """tiny_lalte_bf16_config's model and one jitted step for several tests."""
+  config = tiny_lalte_bf16_config()
   model_config = config.model_config()
   step = jax.jit(make_train_step(model_graphdef(model_config), model_config, config))
   state = init_train_state(model_config, config, jax.random.key(0))

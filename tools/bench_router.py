@@ -1,0 +1,155 @@
+"""The LTE router's cost in the training step, apart from the rest of the layer.
+
+    python tools/bench_router.py --presets lalte-0.4b --batch 4 --seq_len 4096
+    python tools/bench_router.py --presets lalte-tiny --batch 2 --seq_len 64 --repeats 2  # CPU smoke
+
+Per preset, at its LTE shapes (Hkv heads, head dim D, the router's conv layers) with bf16 keys and
+values, the median wall time (after warm-up) of:
+- `router fwd+bwd, dropout`: the gradient of the router's scores, summed, with respect to its
+  weights, keys and values, under `jax.checkpoint` (as the training step's remat recomputes the
+  block), with the dropout key the step passes;
+- `router fwd+bwd, no dropout`: the same without a key (what the dropout adds is the difference);
+- `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
+  one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
+  (lalte_jax/layers/dropout.py) against JAX's standard Bernoulli draw;
+- `conv layers fwd+bwd, batched einsum (ours)`, `..., batched einsum, float32 taps` and
+  `..., grouped lax.conv, token-major`: the router's conv layers alone (no dropout, SiLU between
+  them), forward and backward, as the router computes them (`lte_router.grouped_conv_same`: heads
+  leading, every tap's output from one batched matmul in the input's dtype, shifted and summed in
+  float32), as it did before 2026-11-29 (the taps in float32), and in the reference's form, one
+  grouped convolution (groups = Hkv) over token-major activations (cuDNN on GPUs).
+Prints one JSON line per row and a markdown table; `--json PATH` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:  # run as a script from a checkout
+  sys.path.insert(0, str(_REPO_ROOT))
+
+# pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lalte_jax.layers.dropout import dropout
+from lalte_jax.mixers.lte_router import LTERouter, channel_widths, grouped_conv_same
+from lalte_jax.presets import get_model_config
+from pallas_kernels.benchmarking import median_ms
+
+
+def hashed_dropout(x_KBTC, rate, key):
+  return dropout(x_KBTC, rate, key, layout="KBTC")
+
+
+def threefry_dropout(x_KBTC, rate, key):
+  """JAX's standard draw (the router's mask before the hash)."""
+  keep_KBTC = jax.random.bernoulli(key, 1.0 - rate, x_KBTC.shape)
+  return jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
+
+
+def float32_taps_conv(h_KBTC, weight_KICO, dilation):
+  """The router's convolution before 2026-11-29: the same batched matmul with float32 taps."""
+  length, kernel_size = h_KBTC.shape[2], weight_KICO.shape[1]
+  y_KBTIO = jnp.einsum("kbtc,kico->kbtio", h_KBTC, weight_KICO,
+                       preferred_element_type=jnp.float32)
+  half = (kernel_size // 2) * dilation
+  padded_KBTIO = jnp.pad(y_KBTIO, ((0, 0), (0, 0), (half, half), (0, 0), (0, 0)))
+  return sum(padded_KBTIO[:, :, i * dilation:i * dilation + length, i]
+             for i in range(kernel_size)).astype(h_KBTC.dtype)
+
+
+def lax_grouped_conv(h_BTKC, weight_KICO, dilation):
+  """The reference's form: one grouped convolution (groups = heads) over token-major channels."""
+  batch, length, heads, c_in = h_BTKC.shape
+  kernel_size, c_out = weight_KICO.shape[1], weight_KICO.shape[3]
+  weight_WIO = jnp.transpose(weight_KICO, (1, 2, 0, 3)).reshape(kernel_size, c_in, heads * c_out)
+  half = (kernel_size // 2) * dilation
+  out_BTF = jax.lax.conv_general_dilated(
+      h_BTKC.reshape(batch, length, heads * c_in), weight_WIO, window_strides=(1,),
+      padding=((half, half),), rhs_dilation=(dilation,), dimension_numbers=("NWC", "WIO", "NWC"),
+      feature_group_count=heads)
+  return out_BTF.reshape(batch, length, heads, c_out)
+
+
+def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dict]:
+  lte = get_model_config(preset).lte
+  router = LTERouter(lte, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(router)
+  kv_key, dropout_key = jax.random.split(jax.random.key(0))
+  shape = (batch, seq_len, lte.num_kv_heads, lte.head_dim)
+  k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
+                    for key in jax.random.split(kv_key))
+
+  def score_sum(params, k, v, key):
+    return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
+
+  grad = jax.jit(jax.grad(jax.checkpoint(score_sum), argnums=(0, 1, 2)))
+  rows = []
+  for name, key in (("router fwd+bwd, dropout", dropout_key),
+                    ("router fwd+bwd, no dropout", None)):
+    ms = median_ms(lambda p, k, v, key=key: grad(p, k, v, key), [(params, k_BTKD, v_BTKD)],
+                   warmup=2, repeats=repeats)
+    rows.append({"preset": preset, "row": name, "ms": ms})
+  widths = channel_widths(lte.head_dim, len(lte.router_kernel_sizes))[:-1]
+  activations = [jnp.ones((lte.num_kv_heads, batch, seq_len, width), jnp.bfloat16)
+                 for width in widths]
+  for name, draw in (("masks, hashed (ours)", hashed_dropout),
+                     ("masks, threefry (jax.random.bernoulli)", threefry_dropout)):
+    masks = jax.jit(lambda xs, key, draw=draw: [
+        draw(x, lte.router_dropout, layer_key)
+        for x, layer_key in zip(xs, jax.random.split(key, len(xs)))])
+    ms = median_ms(masks, [(activations, dropout_key)], warmup=2, repeats=repeats)
+    rows.append({"preset": preset, "row": name, "ms": ms})
+  weights = [w[...].astype(jnp.bfloat16) for w in router.conv_weights]
+  h_BTKC = jnp.concatenate([k_BTKD, v_BTKD], axis=-1)
+  for name, conv, h in (
+      ("conv layers fwd+bwd, batched einsum (ours)",
+       lambda h, w, d: grouped_conv_same(h, w, d).astype(h.dtype),
+       jnp.transpose(h_BTKC, (2, 0, 1, 3))),
+      ("conv layers fwd+bwd, batched einsum, float32 taps", float32_taps_conv,
+       jnp.transpose(h_BTKC, (2, 0, 1, 3))),
+      ("conv layers fwd+bwd, grouped lax.conv, token-major", lax_grouped_conv, h_BTKC)):
+    def conv_sum(weights, h, conv=conv):
+      for weight, dilation in zip(weights, lte.router_dilations):
+        h = jax.nn.silu(conv(h, weight, dilation))
+      return jnp.sum(h.astype(jnp.float32))
+    conv_grad = jax.jit(jax.grad(conv_sum, argnums=(0, 1)))
+    ms = median_ms(conv_grad, [(weights, h)], warmup=2, repeats=repeats)
+    rows.append({"preset": preset, "row": name, "ms": ms})
+  for row in rows:
+    row.update(batch=batch, seq_len=seq_len, kv_heads=lte.num_kv_heads, head_dim=lte.head_dim,
+               dropout=lte.router_dropout, device=jax.devices()[0].device_kind)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--presets", nargs="+", default=["lalte-0.4b", "lalte-1.4b"])
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--seq_len", type=int, default=4096)
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--json", default="", help="also write the rows here")
+  args = parser.parse_args(argv)
+  if args.batch < 1 or args.seq_len < 1 or args.repeats < 1:
+    parser.error("--batch, --seq_len and --repeats must be >= 1")
+  rows = [row for preset in args.presets
+          for row in router_rows(preset, args.batch, args.seq_len, args.repeats)]
+  print("| preset | B x T | row | ms |\n|---|---|---|---:|")
+  for row in rows:
+    print(f"| {row['preset']} | {row['batch']} x {row['seq_len']} | {row['row']} |"
+          f" {row['ms']:.3f} |")
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
