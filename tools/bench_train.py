@@ -6,12 +6,16 @@
     python tools/bench_train.py --presets lalte-tiny --seq_len 64 --steps 2 --warmup 1  # CPU smoke
     python tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --lte_kept_fraction 0.125
     python tools/bench_train.py --presets gdn_swa-0.4b --batch 4 --profile  # GPU time by op class
+    python tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 8  # fastest batch
 
 The step is the one `python -m lalte_jax.train` runs: `lalte_jax.train.trainer.Trainer` builds it (AdamW, float32
 master weights, `--dtype` compute, `--remat`, gradient accumulation over `--grad_accum`
 micro-batches, FSDP over `--mesh_fsdp` devices), here fed a fixed batch of random tokens (no
 dataset). `--batch` is the per-device micro-batch: one step processes
-batch x (data x fsdp devices) x grad_accum sequences of `--seq_len` tokens.
+batch x (data x fsdp devices) x grad_accum sequences of `--seq_len` tokens. Given several
+batches, each preset runs them smallest first, each in its own child, up to the first that runs
+out of memory, and the fastest that ran is marked (`"fastest": true`, "(fastest)" in the table):
+the per-device batch to quote a preset's tokens/s and MFU at.
 
 Per preset: compile time (lower + compile of the step), then `--warmup` untimed steps, then the
 median wall time of `--steps` steps (each waited for with block_until_ready), tokens/s, MFU, and
@@ -71,8 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
                       help="'<variant>-<size>' names (lalte_jax.presets)")
   parser.add_argument("--seq_len", type=int, default=4096)
-  parser.add_argument("--batch", type=int, default=1,
-                      help="sequences per device per micro-batch")
+  parser.add_argument("--batch", type=int, nargs="+", default=[1],
+                      help="sequences per device per micro-batch; several values: each is timed"
+                           " (up to the first that runs out of memory) and the fastest marked")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
   # "attention" measured fastest at the 0.4b presets (H200, 2026-11-28: lansa +8%, gdn_swa +2%
   # against "block", 0.4-1.1 GiB more memory; docs/benchmarks.md section 5).
@@ -107,10 +112,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="run the presets in this process, one after another (peak memory is"
                            " then the maximum so far)")
   args = parser.parse_args(argv)
-  for name in ("seq_len", "batch", "grad_accum", "mesh_fsdp", "steps", "timeout_s",
-               "profile_steps"):
+  for name in ("seq_len", "grad_accum", "mesh_fsdp", "steps", "timeout_s", "profile_steps"):
     if getattr(args, name) <= 0:
       parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+  if min(args.batch) <= 0 or len(set(args.batch)) != len(args.batch):
+    parser.error(f"--batch must be distinct positive values, got {args.batch}")
+  args.batch = sorted(args.batch)
   if args.warmup < 0:
     parser.error(f"--warmup must be >= 0, got {args.warmup}")
   if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:
@@ -272,15 +279,26 @@ def run_in_child(preset: str, args: argparse.Namespace, argv: list[str]) -> dict
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s,
                           check=False)
   except subprocess.TimeoutExpired:
-    return {"preset": preset, "status": "error", "error": f"timed out after {args.timeout_s} s"}
+    return {"preset": preset, "batch_per_device": args.batch, "status": "error",
+            "error": f"timed out after {args.timeout_s} s"}
   for line in done.stdout.splitlines():
     if line.startswith(RESULT_PREFIX):
       return json.loads(line[len(RESULT_PREFIX):])
   # No result line: the child died (e.g. killed by the OS for host memory).
   tail = (done.stderr or done.stdout)[-2000:]
   status = "oom" if is_out_of_memory(Exception(tail)) else "error"
-  return {"preset": preset, "status": status,
+  return {"preset": preset, "batch_per_device": args.batch, "status": status,
           "error": f"child exited with status {done.returncode}: {tail.strip()[-500:]}"}
+
+
+def mark_fastest(results: list[dict]) -> None:
+  """Marks the highest tokens/s among one preset's batches that ran (`fastest`), where more than
+  one batch was timed."""
+  ran = [r for r in results if r["status"] == "ok"]
+  if len(results) > 1 and ran:
+    best = max(ran, key=lambda r: r["tokens_per_s"])
+    for r in ran:
+      r["fastest"] = r is best
 
 
 def table_cell(value, fmt: str) -> str:
@@ -293,7 +311,8 @@ def markdown_table(results: list[dict]) -> str:
   for r in results:
     lines.append(
         f"| {r['preset']} | {r['status']} | {r.get('seq_len', '-')} |"
-        f" {r.get('batch_per_device', '-')} x {r.get('grad_accum', '-')} | {r.get('remat', '-')} |"
+        f" {r.get('batch_per_device', '-')}{' (fastest)' if r.get('fastest') else ''} x"
+        f" {r.get('grad_accum', '-')} | {r.get('remat', '-')} |"
         f" {table_cell(r.get('step_time_s'), '.3f')} |"
         f" {table_cell(r.get('tokens_per_s'), ',.0f')} |"
         f" {table_cell(r.get('mfu'), '.1%')} | {table_cell(r.get('peak_memory_gib'), '.1f')} |"
@@ -302,12 +321,14 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def _argv_without_presets(argv: list[str]) -> list[str]:
-  """The command line minus --presets (and its values), --json and --in_process."""
+  """The command line minus --presets, --batch (and their values), --json and --in_process: a
+  child gets one preset and one batch."""
   kept, skipping = [], False
   for arg in argv:
     if arg.startswith("--"):
-      skipping = arg in ("--presets", "--json")
-      if skipping or arg == "--in_process" or arg.startswith(("--presets=", "--json=")):
+      skipping = arg in ("--presets", "--json", "--batch")
+      if skipping or arg == "--in_process" or arg.startswith(("--presets=", "--json=",
+                                                              "--batch=")):
         continue
     elif skipping:
       continue
@@ -323,11 +344,19 @@ def main(argv: list[str] | None = None) -> int:
   child_argv = _argv_without_presets(argv)
   results = []
   for preset in args.presets:
-    result = run_one(preset, args) if args.in_process else run_in_child(preset, args, child_argv)
-    results.append(result)
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-    if result["status"] != "ok":
-      print(f"{preset}: {result['status']}: {result['error']}", file=sys.stderr, flush=True)
+    preset_results = []
+    for batch in args.batch:
+      one = argparse.Namespace(**{**vars(args), "batch": batch})
+      result = (run_one(preset, one) if args.in_process
+                else run_in_child(preset, one, child_argv + ["--batch", str(batch)]))
+      preset_results.append(result)
+      print(RESULT_PREFIX + json.dumps(result), flush=True)
+      if result["status"] != "ok":
+        print(f"{preset}: {result['status']}: {result['error']}", file=sys.stderr, flush=True)
+      if result["status"] == "oom":
+        break  # a larger batch needs more memory still
+    mark_fastest(preset_results)
+    results += preset_results
   if not args.in_process or len(results) > 1:
     print(markdown_table(results))
     print("command: python tools/bench_train.py " + " ".join(argv))

@@ -1,6 +1,7 @@
 """tools/bench_train.py: a CPU smoke run of a tiny preset through the default child-process path
 (with --profile), and the out-of-memory classification and command-line plumbing it relies on."""
 
+import argparse
 import json
 import pathlib
 import sys
@@ -49,16 +50,49 @@ def test_out_of_memory_is_recognised_and_reported(monkeypatch):
     raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating the state of {preset}")
   monkeypatch.setattr(bench, "bench_preset", out_of_memory)
   args = bench.parse_args(["--presets", "lalte-1.4b", "--batch", "8"])
-  result = bench.run_one("lalte-1.4b", args)
+  result = bench.run_one("lalte-1.4b", argparse.Namespace(**{**vars(args), "batch": 8}))
   assert result["status"] == "oom" and "RESOURCE_EXHAUSTED" in result["error"]
   assert "| lalte-1.4b | oom |" in bench.markdown_table([result])
 
 
-def test_children_get_the_flags_but_one_preset():
+def test_children_get_the_flags_but_one_preset_and_one_batch():
   bench = load_tool("bench_train")
-  argv = ["--presets", "a-tiny", "b-tiny", "--batch", "2", "--json", "x.json", "--remat=dots",
-          "--in_process"]
-  assert bench._argv_without_presets(argv) == ["--batch", "2", "--remat=dots"]  # pylint: disable=protected-access
+  argv = ["--presets", "a-tiny", "b-tiny", "--batch", "2", "4", "--json", "x.json",
+          "--remat=dots", "--in_process", "--batch=8"]
+  assert bench._argv_without_presets(argv) == ["--remat=dots"]  # pylint: disable=protected-access
+
+
+def test_batch_sweep_stops_at_the_first_out_of_memory_and_marks_the_fastest(monkeypatch, capsys,
+                                                                             tmp_path):
+  """Batches run smallest first; the first out-of-memory batch ends the preset's sweep (a larger
+  one needs more memory still) and the fastest batch that ran is marked."""
+  bench = load_tool("bench_train")
+  tokens_per_s = {1: 100.0, 2: 180.0, 4: 170.0}
+
+  def fake_bench(preset, args):
+    if args.batch >= 8:
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+    return {"preset": preset, "status": "ok", "batch_per_device": args.batch, "grad_accum": 1,
+            "remat": args.remat, "seq_len": args.seq_len, "tokens_per_s": tokens_per_s[args.batch]}
+  monkeypatch.setattr(bench, "bench_preset", fake_bench)
+  output = tmp_path / "sweep.json"
+  assert bench.main(["--presets", "x-tiny", "--batch", "8", "2", "1", "4", "16",
+                     "--in_process", "--json", str(output)]) == 0
+  results = json.loads(output.read_text())
+  assert "| x-tiny | ok | 4096 | 2 (fastest) x 1 |" in capsys.readouterr().out
+  assert [(r["batch_per_device"], r["status"]) for r in results] == [
+      (1, "ok"), (2, "ok"), (4, "ok"), (8, "oom")]
+  assert [r.get("fastest") for r in results] == [False, True, False, None]
+  one = [{"status": "ok", "tokens_per_s": 5.0}]
+  bench.mark_fastest(one)
+  assert "fastest" not in one[0]  # one batch: nothing to choose between
+
+
+@pytest.mark.parametrize("batch", [["0"], ["2", "2"]])
+def test_bad_batches_are_refused(batch, capsys):
+  with pytest.raises(SystemExit):
+    load_tool("bench_train").parse_args(["--batch", *batch])
+  assert "--batch must be distinct positive values" in capsys.readouterr().err
 
 
 def test_calibrated_router_biases_keep_the_asked_share_of_tokens_per_layer_and_head():
