@@ -25,6 +25,9 @@
 #   gdn        GDN against FLA at shapes 0 and 1 of tools/compare_fla.py (~6-9 min)
 #   gdn23      GDN against FLA at shapes 3 and 2 (~6-9 min)
 #   study      the capacity study, resumable across runs (tools/study_gpu.sh, ~9 min)
+#   trainlte   laLTE's training cost against GDN+SWA: the router's pieces (tools/bench_router.py),
+#              the 0.4b pair with its GPU time by op class, the 1.4b pair over per-device batches
+#              1, 2, 4 (the fastest marked) (~7 min)
 #   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
@@ -47,7 +50,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -63,7 +66,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -184,6 +187,18 @@ case "$stage" in
     # The capacity study, continued from the state a previous run packed (tools/study_gpu.sh has
     # its own time budget, STUDY_BUDGET_S, and its own wheel install).
     bash tools/study_gpu.sh "$dest"
+    ;;
+  trainlte)
+    # What laLTE's training step costs beyond GDN+SWA's (docs/benchmarks.md section 5): the
+    # router alone, then both 0.4b presets with the routers at the paper's 12.5% kept and their
+    # GPU time by op class, then both 1.4b presets at per-device batches 1, 2, 4.
+    step 90 python3 tools/bench_router.py --presets lalte-0.4b lalte-1.4b \
+      --json "$dest/router.json"
+    step 150 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 4 --steps 5 \
+      --warmup 2 --lte_kept_fraction 0.125 --profile --profile_steps 2 \
+      --json "$dest/train_0_4b.json"
+    step 200 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
+      --steps 3 --warmup 1 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
     ;;
   anchors)
     # Ours first (JAX, then the process ends and frees the GPU), then FLA's PyTorch training of

@@ -1,0 +1,38 @@
+"""tools/bench_router.py: a CPU run at a tiny preset gives every row, and its conv forms compute
+the router's convolution."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tests.tools import load_tool
+
+from lalte_jax.mixers.lte_router import grouped_conv_same
+
+
+def test_tiny_preset_rows_and_json(tmp_path, capsys):
+  bench = load_tool("bench_router")
+  output = tmp_path / "router.json"
+  assert bench.main(["--presets", "lalte-tiny", "--batch", "1", "--seq_len", "32",
+                     "--repeats", "1", "--json", str(output)]) == 0
+  rows = json.loads(output.read_text())
+  assert [r["row"] for r in rows] == [
+      "router fwd+bwd, dropout", "router fwd+bwd, no dropout", "masks, hashed (ours)",
+      "masks, threefry (jax.random.bernoulli)", "conv layers fwd+bwd, batched einsum (ours)",
+      "conv layers fwd+bwd, batched einsum, float32 taps",
+      "conv layers fwd+bwd, grouped lax.conv, token-major"]
+  assert all(r["ms"] > 0 and r["preset"] == "lalte-tiny" for r in rows)
+  assert "| lalte-tiny | 1 x 32 | masks, hashed (ours) |" in capsys.readouterr().out
+
+
+def test_the_compared_conv_forms_equal_the_router_conv():
+  bench = load_tool("bench_router")
+  h_KBTC = jax.random.normal(jax.random.key(0), (3, 2, 40, 16))
+  weight_KICO = jax.random.normal(jax.random.key(1), (3, 3, 16, 8))
+  want = np.asarray(grouped_conv_same(h_KBTC, weight_KICO, 2))
+  np.testing.assert_allclose(np.asarray(bench.float32_taps_conv(h_KBTC, weight_KICO, 2)), want,
+                             atol=1e-4)
+  token_major = bench.lax_grouped_conv(jnp.transpose(h_KBTC, (1, 2, 0, 3)), weight_KICO, 2)
+  np.testing.assert_allclose(np.asarray(jnp.transpose(token_major, (2, 0, 1, 3))), want,
+                             atol=1e-4)
