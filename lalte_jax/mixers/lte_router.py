@@ -20,36 +20,12 @@ from flax import nnx
 
 from lalte_jax.config import LTEConfig
 from lalte_jax.layers import initializers
-from lalte_jax.layers.dropout import dropout
+from pallas_kernels import counter_hash, router_conv
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
   """(2D, D, D/2, ...) : input width then the output width of each conv layer."""
   return tuple((2 * head_dim) >> i for i in range(num_layers + 1))
-
-
-def grouped_conv_same(h_KBTC: jax.Array, weight_KICO: jax.Array, dilation: int) -> jax.Array:
-  """Per-head 1-D convolution with 'same' zero padding, float32 [K, B, T, O].
-
-  One batched matmul (heads leading, so no transpose) gives every tap's output y_i = h W_i at
-  once; shifting y_i by the tap's offset and summing equals shifting the input (the conv is linear
-  per position and zeros stay zeros), without stacking shifted copies of the input. (A grouped
-  `lax.conv_general_dilated` over token-major channels, the reference's form, took 7.5x as long
-  forward and backward on an H200: tools/bench_router.py.) The taps' outputs are in the input's
-  dtype (each accumulated in float32 by the matmul) and summed in float32: in bf16 that halves
-  the bytes of the largest tensors of the router, forward and backward (the three conv layers of
-  lalte-0.4b at B4 T4096, forward and backward: 1.28 -> 0.77 ms on an H200).
-  """
-  heads, batch, length, _ = h_KBTC.shape
-  kernel_size, c_out = weight_KICO.shape[1], weight_KICO.shape[3]
-  y_KBTIO = jnp.einsum("kbtc,kico->kbtio", h_KBTC, weight_KICO)
-  half = (kernel_size // 2) * dilation
-  padded_KBTIO = jnp.pad(y_KBTIO, ((0, 0), (0, 0), (half, half), (0, 0), (0, 0)))
-  out_KBTO = jnp.zeros((heads, batch, length, c_out), jnp.float32)
-  for i in range(kernel_size):  # out[t] = sum_i y_i[t + i * dilation - half]
-    out_KBTO = out_KBTO + padded_KBTIO[:, :, i * dilation:i * dilation + length, i].astype(
-        jnp.float32)
-  return out_KBTO
 
 
 class LTERouter(nnx.Module):
@@ -88,14 +64,14 @@ class LTERouter(nnx.Module):
       h_KBTC = h_KBTC * mask_1BT1
     layer_keys = ([None] * len(self.conv_weights) if dropout_key is None else
                   list(jax.random.split(dropout_key, len(self.conv_weights))))
+    # The fused Pallas layers take no padding mask; "cudnn" names an attention kernel only.
+    implementation = ("xla" if mask_BT is not None
+                      or lte.implementation not in (None, "xla", "pallas") else lte.implementation)
     for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,
                                            lte.router_dilations, layer_keys):
-      h_KBTC = dropout(h_KBTC, lte.router_dropout, key, layout="KBTC")
-      h_KBTC = (grouped_conv_same(h_KBTC, weight[...].astype(dtype), dilation).astype(dtype)
-                + bias[...].astype(dtype)[:, None, None, :])
-      if mask_1BT1 is not None:
-        h_KBTC = h_KBTC * mask_1BT1
-      h_KBTC = jax.nn.silu(h_KBTC)
+      h_KBTC = router_conv.conv_silu(
+          h_KBTC, weight[...], bias[...], None if key is None else counter_hash.seed_words(key),
+          mask_BT, rate=lte.router_dropout, dilation=dilation, implementation=implementation)
     logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, self.proj_weight[...].astype(dtype),
                            preferred_element_type=jnp.float32) + self.proj_bias[...][:, None, None]
     return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5

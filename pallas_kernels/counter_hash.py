@@ -1,0 +1,71 @@
+"""Counter-based random bits: a hash of an element's index, the same in jnp and inside a kernel.
+
+An element's 32 bits come from two 32-bit seed words (drawn once from a PRNG key) and two indices
+(a token and a unit, e.g. head * channels + channel): the token's index is mixed with the first
+word, the unit's index is added in the golden-ratio sequence after xoring the second, and mixed
+again. The mixer is Wellons' `lowbias32` (2018), an invertible xor-shift-multiply avalanche. No
+generator state: any element's bits can be computed anywhere, so a kernel can redraw the dropout
+mask an XLA forward pass drew (lalte_jax/layers/dropout.py), and the bits partition over any
+mesh like the iota they start from.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GOLDEN = np.uint32(0x9E3779B9)  # 2^32 / golden ratio: consecutive units spread over 32 bits
+
+
+def mix32(x: jax.Array) -> jax.Array:
+  """lowbias32: a bijection of uint32 in which every input bit flips each output bit with
+  probability close to 1/2."""
+  x = x ^ (x >> 16)
+  x = x * np.uint32(0x21F0AAAD)
+  x = x ^ (x >> 15)
+  x = x * np.uint32(0xD35A2D97)
+  return x ^ (x >> 15)
+
+
+def seed_words(key: jax.Array) -> jax.Array:
+  """The two uint32 seed words [2] of a PRNG key."""
+  return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def element_bits(token: jax.Array, unit: jax.Array, seed0: jax.Array, seed1: jax.Array
+                 ) -> jax.Array:
+  """uint32 bits of the elements (token, unit), broadcasting the two uint32 index arrays."""
+  return mix32((mix32(token ^ seed0) ^ seed1) + unit * GOLDEN)
+
+
+def keep_threshold(rate: float) -> np.uint32:
+  """Bits below this are dropped: P(drop) = threshold / 2^32, within 2^-32 of `rate`."""
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout rate: must be in [0, 1), got {rate}")
+  return np.uint32(min(round(rate * 2.0 ** 32), 2 ** 32 - 1))
+
+
+def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float, *, layout: str = "BTKC"
+              ) -> jax.Array:
+  """Bool mask of `shape`: True where the unit survives dropout at `rate`, from the seed words.
+
+  `layout` names the four axes (a permutation of "BTKC": row, token, head, channel). Element
+  (b, t, k, c) is token b * T + t and unit k * C + c in every layout, so the same seed drops the
+  same units of token-major [B, T, K, C] and heads-first [K, B, T, C] activations.
+  """
+  if sorted(layout) != sorted("BTKC") or len(shape) != 4:
+    raise ValueError(f"keep_mask: layout must be a permutation of 'BTKC' for a 4-d shape, got"
+                     f" {layout!r} for {shape}")
+  size = dict(zip(layout, shape))
+  if size["B"] * size["T"] >= 2 ** 32 or size["K"] * size["C"] >= 2 ** 32:
+    raise ValueError(f"keep_mask: shape {shape} has more tokens or units than a 32-bit index"
+                     " holds")
+
+  def index(axis: str) -> jax.Array:  # the axis' coordinate, broadcastable to `shape`
+    dims = [size[a] if a == axis else 1 for a in layout]
+    return jax.lax.broadcasted_iota(jnp.uint32, dims, layout.index(axis))
+
+  token = index("B") * np.uint32(size["T"]) + index("T")
+  unit = index("K") * np.uint32(size["C"]) + index("C")
+  return element_bits(token, unit, seed[0], seed[1]) >= keep_threshold(rate)
