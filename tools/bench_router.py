@@ -10,7 +10,8 @@ values, the median wall time (after warm-up) of:
   block), with the dropout key the step passes;
 - `router fwd+bwd, no dropout`: the same without a key (what the dropout adds is the difference);
 - `router fwd+bwd, dropout, Pallas conv layers`: the first row with each conv layer (dropout,
-  convolution, bias, SiLU) in the fused Pallas kernels of pallas_kernels/router_conv;
+  convolution, bias, SiLU) in the fused Pallas kernels of pallas_kernels/router_conv (the layers
+  whose channel widths they tile: all of them from head dim 64 up);
 - `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
   one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
   (lalte_jax/layers/dropout.py) against JAX's standard Bernoulli draw;
@@ -100,11 +101,7 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
     def score_sum(params, k, v, definition=definition, key=key):
       return jnp.sum(nnx.merge(definition, params)(k, v, dropout_key=key))
     grad = jax.jit(jax.grad(jax.checkpoint(score_sum), argnums=(0, 1, 2)))
-    try:
-      ms = median_ms(grad, [(params, k_BTKD, v_BTKD)], warmup=2, repeats=repeats)
-    except NotImplementedError as error:  # the kernels tile power-of-two widths >= 16 only
-      rows.append({"preset": preset, "row": name, "ms": None, "unsupported": str(error)})
-      continue
+    ms = median_ms(grad, [(params, k_BTKD, v_BTKD)], warmup=2, repeats=repeats)
     rows.append({"preset": preset, "row": name, "ms": ms})
   widths = channel_widths(lte.head_dim, len(lte.router_kernel_sizes))[:-1]
   activations = [jnp.ones((lte.num_kv_heads, batch, seq_len, width), jnp.bfloat16)
@@ -155,7 +152,7 @@ def main(argv=None) -> int:
   print("| preset | B x T | row | ms |\n|---|---|---|---:|")
   for row in rows:
     print(f"| {row['preset']} | {row['batch']} x {row['seq_len']} | {row['row']} |"
-          f" {'-' if row['ms'] is None else format(row['ms'], '.3f')} |")
+          f" {row['ms']:.3f} |")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
   return 0

@@ -13,9 +13,10 @@ import jax
 from pallas_kernels.dispatch import Implementation, resolve
 from pallas_kernels.router_conv import pallas, reference
 
-__all__ = ["conv_silu", "grouped_conv_same"]
+__all__ = ["conv_silu", "grouped_conv_same", "pallas_handles"]
 
 grouped_conv_same = reference.grouped_conv_same
+pallas_handles = pallas.handles  # (input channels, output channels) -> bool
 
 # What implementation=None runs on a GPU: "xla" until the Pallas kernels are measured against it
 # in the training step (tools/bench_router.py, tools/gpu_stages.sh trainlte).

@@ -32,11 +32,16 @@ BLOCK_T = 64
 NUM_WARPS = 4
 
 
+def handles(channels: int, c_out: int) -> bool:
+  """Whether the kernels tile these channel widths (powers of two >= MIN_DOT_DIM)."""
+  return all(width >= MIN_DOT_DIM and is_power_of_two(width) for width in (channels, c_out))
+
+
 def check_shapes(x_KBTC: jax.Array, weight_KICO: jax.Array) -> None:
   """NotImplementedError for channel widths the kernels do not tile."""
   channels, c_out = weight_KICO.shape[2], weight_KICO.shape[3]
   for name, width in (("input channels", channels), ("output channels", c_out)):
-    if width < MIN_DOT_DIM or not is_power_of_two(width):
+    if not handles(width, MIN_DOT_DIM):
       raise NotImplementedError(f"router_conv pallas: {name} {width} must be a power of two >="
                                 f" {MIN_DOT_DIM}")
   if x_KBTC.shape[-1] != channels:
