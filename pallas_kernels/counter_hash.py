@@ -4,9 +4,15 @@ An element's 32 bits come from two 32-bit seed words (drawn once from a PRNG key
 (a token and a unit, e.g. head * channels + channel): the token's index is mixed with the first
 word, the unit's index is added in the golden-ratio sequence after xoring the second, and mixed
 again. The mixer is Wellons' `lowbias32` (2018), an invertible xor-shift-multiply avalanche. No
-generator state: any element's bits can be computed anywhere, so a kernel can redraw the dropout
-mask an XLA forward pass drew (lalte_jax/layers/dropout.py), and the bits partition over any
-mesh like the iota they start from.
+generator state: any element's bits can be computed anywhere, so a kernel redraws the dropout mask
+an XLA forward pass drew (pallas_kernels/router_conv), and the bits partition over any mesh like
+the iota they start from.
+
+Why not `jax.random.bernoulli`: it runs threefry (20 rounds per pair of 32-bit words) for every
+element. The LTE router draws three masks per layer call ([Hkv, B, T, C] for C = 2D, D, D/2) in
+the forward pass, and the block's recomputation draws them again: at lalte-0.4b, B4 T4096 on one
+H200 (2026-11-29, tools/bench_router.py) the three threefry masks took 0.40 ms per call, these
+0.18 ms, and the training step went from 160.7 to 157.0 ms (tools/bench_train.py --profile).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ values, the median wall time (after warm-up) of:
   whose channel widths they tile: all of them from head dim 64 up);
 - `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
   one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
-  (lalte_jax/layers/dropout.py) against JAX's standard Bernoulli draw;
+  (pallas_kernels/counter_hash.py) against JAX's standard Bernoulli draw;
 - `conv layers fwd+bwd, batched einsum (ours)`, `..., batched einsum, float32 taps` and
   `..., grouped lax.conv, token-major`: the router's conv layers alone (no dropout, SiLU between
   them), forward and backward, as the router computes them (`lte_router.grouped_conv_same`: heads
@@ -41,15 +41,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lalte_jax.layers.dropout import dropout
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
+from pallas_kernels import counter_hash
 from pallas_kernels.router_conv import grouped_conv_same
 from lalte_jax.presets import get_model_config
 from pallas_kernels.benchmarking import median_ms
 
 
 def hashed_dropout(x_KBTC, rate, key):
-  return dropout(x_KBTC, rate, key, layout="KBTC")
+  keep_KBTC = counter_hash.keep_mask(counter_hash.seed_words(key), x_KBTC.shape, rate,
+                                     layout="KBTC")
+  return jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
 
 
 def threefry_dropout(x_KBTC, rate, key):

@@ -55,6 +55,21 @@ def test_pallas_matches_the_float64_reference(dtype, length, taps, dilation, rat
     assert_close(actual, expected, dtype, factor=2.0, name=name)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_dropout_scales_the_kept_units_and_keeps_one_minus_rate(implementation):
+  """A 1-tap identity conv without bias shows the dropped input: silu(x / (1 - rate)) where kept,
+  silu(0) = 0 where dropped, with the hash's mask."""
+  x = jnp.abs(jax.random.normal(jax.random.key(0), (2, 2, 256, 16))) + 0.5
+  identity = jnp.broadcast_to(jnp.eye(16), (2, 1, 16, 16))
+  seed = counter_hash.seed_words(jax.random.key(1))
+  out = conv_silu(x, identity, jnp.zeros((2, 16)), seed, rate=0.25, dilation=1,
+                  implementation=implementation)
+  keep = counter_hash.keep_mask(seed, x.shape, 0.25, layout="KBTC")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.where(keep, jax.nn.silu(x / 0.75), 0)),
+                             rtol=1e-5, atol=1e-6)
+  assert abs(float(keep.mean()) - 0.75) < 0.01
+
+
 def test_no_row_or_head_reads_another():
   """NaN in one row and in one head: every other (head, row) pair's outputs and input gradients
   stay finite and equal those of a clean input."""

@@ -1,11 +1,16 @@
-"""The hashed dropout masks (lalte_jax/layers/dropout.py): rate, determinism, independence of
-neighbouring elements and the documented index contract."""
+"""Dropout masks from the counter hash (pallas_kernels/counter_hash.py): rate, determinism,
+independence of neighbouring elements and the documented index contract."""
 
 import jax
 import numpy as np
 import pytest
 
-from lalte_jax.layers.dropout import dropout, keep_mask, keep_threshold, mix32
+from pallas_kernels import counter_hash
+from pallas_kernels.counter_hash import keep_threshold, mix32
+
+
+def keep_mask(key, shape, rate, *, layout="BTKC"):
+  return counter_hash.keep_mask(counter_hash.seed_words(key), shape, rate, layout=layout)
 
 SHAPE_BTKC = (2, 512, 4, 64)  # 262,144 elements: the keep share's standard error is ~6e-4
 
@@ -64,15 +69,6 @@ def test_mask_bits_follow_the_token_and_unit_index():
   np.testing.assert_array_equal(np.asarray(heads_first), expected.transpose(2, 0, 1, 3))
   np.testing.assert_array_equal(np.asarray(mix32(np.uint32([0, 1, 2 ** 31]))),
                                 _numpy_mix32(np.uint32([0, 1, 2 ** 31])))
-
-
-def test_dropout_is_unbiased_and_off_without_a_key():
-  x = np.ones(SHAPE_BTKC, np.float32)
-  dropped = np.asarray(dropout(x, 0.25, jax.random.key(5)))
-  assert set(np.unique(dropped)) <= {0.0, np.float32(1 / 0.75)}
-  assert abs(dropped.mean() - 1.0) < 5 * np.sqrt(0.25 / 0.75 / x.size)
-  np.testing.assert_array_equal(np.asarray(dropout(x, 0.25, None)), x)
-  np.testing.assert_array_equal(np.asarray(dropout(x, 0.0, jax.random.key(5))), x)
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0])
