@@ -43,15 +43,13 @@ from flax import nnx
 
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
 from pallas_kernels import counter_hash
-from pallas_kernels.router_conv import grouped_conv_same
+from pallas_kernels.router_conv import grouped_conv_same, reference
 from lalte_jax.presets import get_model_config
 from pallas_kernels.benchmarking import median_ms
 
 
 def hashed_dropout(x_KBTC, rate, key):
-  keep_KBTC = counter_hash.keep_mask(counter_hash.seed_words(key), x_KBTC.shape, rate,
-                                     layout="KBTC")
-  return jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
+  return reference.dropped(x_KBTC, counter_hash.seed_words(key), rate)
 
 
 def threefry_dropout(x_KBTC, rate, key):

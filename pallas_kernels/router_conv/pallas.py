@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import counter_hash
+from pallas_kernels.router_conv import reference
 from pallas_kernels.pallas_common import (MIN_DOT_DIM, cdiv, dot_nn, dot_nt, interpret_mode,
                                           is_power_of_two, triton_compiler_params)
 
@@ -32,16 +33,20 @@ BLOCK_T = 64
 NUM_WARPS = 4
 
 
+def _tileable(width: int) -> bool:
+  return width >= MIN_DOT_DIM and is_power_of_two(width)
+
+
 def handles(channels: int, c_out: int) -> bool:
   """Whether the kernels tile these channel widths (powers of two >= MIN_DOT_DIM)."""
-  return all(width >= MIN_DOT_DIM and is_power_of_two(width) for width in (channels, c_out))
+  return _tileable(channels) and _tileable(c_out)
 
 
 def check_shapes(x_KBTC: jax.Array, weight_KICO: jax.Array) -> None:
   """NotImplementedError for channel widths the kernels do not tile."""
   channels, c_out = weight_KICO.shape[2], weight_KICO.shape[3]
   for name, width in (("input channels", channels), ("output channels", c_out)):
-    if not handles(width, MIN_DOT_DIM):
+    if not _tileable(width):
       raise NotImplementedError(f"router_conv pallas: {name} {width} must be a power of two >="
                                 f" {MIN_DOT_DIM}")
   if x_KBTC.shape[-1] != channels:
@@ -190,16 +195,14 @@ def _conv_silu_bwd(rate, dilation, residuals, dout_KBTO):
       interpret=interpret_mode(),
       name="router_conv_bwd",
   )(_seed_or_zeros(seed), x_pad, weight_KICO.astype(x_KBTC.dtype), bias_KO, dout_pad)
-  dpre_KBTO = dpre[:, :, :length].astype(x_KBTC.dtype)
+  dpre_KBTO = dpre[:, :, :length]
   # Weight and bias gradients: per tap, the dropped inputs at the tap's offset against dpre.
-  if seed is not None and rate > 0.0:
-    keep_KBTC = counter_hash.keep_mask(seed, x_KBTC.shape, rate, layout="KBTC")
-    x_KBTC = jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
-  shifted = jnp.pad(x_KBTC, ((0, 0), (0, 0), (half, half), (0, 0)))
+  shifted = jnp.pad(reference.dropped(x_KBTC, seed, rate), ((0, 0), (0, 0), (half, half), (0, 0)))
   dweight_KICO = jnp.stack(
-      [jnp.einsum("kbtc,kbto->kco", shifted[:, :, i * dilation:i * dilation + length], dpre_KBTO,
-                  preferred_element_type=jnp.float32) for i in range(taps)], axis=1)
-  dbias_KO = jnp.sum(dpre[:, :, :length], axis=(1, 2))
+      [jnp.einsum("kbtc,kbto->kco", shifted[:, :, i * dilation:i * dilation + length],
+                  dpre_KBTO.astype(x_KBTC.dtype), preferred_element_type=jnp.float32)
+       for i in range(taps)], axis=1)
+  dbias_KO = jnp.sum(dpre_KBTO, axis=(1, 2))
   dseed = None if seed is None else np.zeros(seed.shape, jax.dtypes.float0)
   return (dx[:, :, :length], dweight_KICO.astype(weight_KICO.dtype), dbias_KO.astype(bias_KO.dtype),
           dseed)

@@ -33,15 +33,22 @@ def grouped_conv_same(h_KBTC: jax.Array, weight_KICO: jax.Array, dilation: int) 
   return out_KBTO
 
 
+def dropped(x_KBTC: jax.Array, seed: jax.Array | None, rate: float) -> jax.Array:
+  """Inverted dropout of heads-first activations with the counter hash's mask of `seed`; the
+  identity without a seed or at rate 0."""
+  if seed is None or rate == 0.0:
+    return x_KBTC
+  keep_KBTC = counter_hash.keep_mask(seed, x_KBTC.shape, rate, layout="KBTC")
+  return jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
+
+
 def conv_silu(x_KBTC: jax.Array, weight_KICO: jax.Array, bias_KO: jax.Array,
               seed: jax.Array | None, mask_BT: jax.Array | None, rate: float, dilation: int
               ) -> jax.Array:
   """silu(conv(dropout(x)) + bias) [K, B, T, O] in x's dtype; the conv output is zeroed at the
   masked-out positions before the SiLU (they then read as zero padding to the next layer)."""
   dtype = x_KBTC.dtype
-  if seed is not None and rate > 0.0:
-    keep_KBTC = counter_hash.keep_mask(seed, x_KBTC.shape, rate, layout="KBTC")
-    x_KBTC = jnp.where(keep_KBTC, x_KBTC / (1.0 - rate), jnp.zeros_like(x_KBTC))
+  x_KBTC = dropped(x_KBTC, seed, rate)
   h_KBTO = (grouped_conv_same(x_KBTC, weight_KICO.astype(dtype), dilation).astype(dtype)
             + bias_KO.astype(dtype)[:, None, None, :])
   if mask_BT is not None:
