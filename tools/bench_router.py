@@ -9,15 +9,15 @@ values, the median wall time (after warm-up) of:
   weights, keys and values, under `jax.checkpoint` (as the training step's remat recomputes the
   block), with the dropout key the step passes;
 - `router fwd+bwd, no dropout`: the same without a key (what the dropout adds is the difference);
-- `router fwd+bwd, dropout, Pallas conv layers`: the first row with each conv layer (dropout,
-  convolution, bias, SiLU) in the fused Pallas kernels of pallas_kernels/router_conv (the layers
-  whose channel widths they tile: all of them from head dim 64 up);
+- `router fwd+bwd, dropout, pre-activations saved`: the first row with the conv layers'
+  pre-activations kept by the checkpoint (`router_conv.PRE_ACTIVATION`, as the remat policy
+  "attention" keeps them), so the backward recomputes no convolution;
 - `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
   one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
-  (pallas_kernels/counter_hash.py) against JAX's standard Bernoulli draw;
+  (lalte_jax/layers/counter_hash.py) against JAX's standard Bernoulli draw;
 - `conv layers fwd+bwd, batched einsum (ours)`, `..., batched einsum, float32 taps` and
   `..., grouped lax.conv, token-major`: the router's conv layers alone (no dropout, SiLU between
-  them), forward and backward, as the router computes them (`lte_router.grouped_conv_same`: heads
+  them), forward and backward, as the router computes them (`router_conv.grouped_conv_same`: heads
   leading, every tap's output from one batched matmul in the input's dtype, shifted and summed in
   float32), as it did before 2026-11-29 (the taps in float32), and in the reference's form, one
   grouped convolution (groups = Hkv) over token-major activations (cuDNN on GPUs).
@@ -27,7 +27,6 @@ Prints one JSON line per row and a markdown table; `--json PATH` writes them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -41,15 +40,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lalte_jax.layers import counter_hash, router_conv
+from lalte_jax.layers.router_conv import grouped_conv_same
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
-from pallas_kernels import counter_hash
-from pallas_kernels.router_conv import grouped_conv_same, reference
 from lalte_jax.presets import get_model_config
 from pallas_kernels.benchmarking import median_ms
 
 
 def hashed_dropout(x_KBTC, rate, key):
-  return reference.dropped(x_KBTC, counter_hash.seed_words(key), rate)
+  return router_conv.dropped(x_KBTC, counter_hash.seed_words(key), rate)
 
 
 def threefry_dropout(x_KBTC, rate, key):
@@ -86,21 +85,20 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
   lte = get_model_config(preset).lte
   router = LTERouter(lte, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(router)
-  pallas_graphdef, _ = nnx.split(
-      LTERouter(dataclasses.replace(lte, implementation="pallas"), rngs=nnx.Rngs(0)))
   kv_key, dropout_key = jax.random.split(jax.random.key(0))
   shape = (batch, seq_len, lte.num_kv_heads, lte.head_dim)
   k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(kv_key))
 
   rows = []
-  for name, definition, key in (("router fwd+bwd, dropout", graphdef, dropout_key),
-                                ("router fwd+bwd, no dropout", graphdef, None),
-                                ("router fwd+bwd, dropout, Pallas conv layers", pallas_graphdef,
-                                 dropout_key)):
-    def score_sum(params, k, v, definition=definition, key=key):
-      return jnp.sum(nnx.merge(definition, params)(k, v, dropout_key=key))
-    grad = jax.jit(jax.grad(jax.checkpoint(score_sum), argnums=(0, 1, 2)))
+  save_pre_activations = jax.checkpoint_policies.save_only_these_names(router_conv.PRE_ACTIVATION)
+  for name, key, policy in (("router fwd+bwd, dropout", dropout_key, None),
+                            ("router fwd+bwd, no dropout", None, None),
+                            ("router fwd+bwd, dropout, pre-activations saved", dropout_key,
+                             save_pre_activations)):
+    def score_sum(params, k, v, key=key):
+      return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
+    grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
     ms = median_ms(grad, [(params, k_BTKD, v_BTKD)], warmup=2, repeats=repeats)
     rows.append({"preset": preset, "row": name, "ms": ms})
   widths = channel_widths(lte.head_dim, len(lte.router_kernel_sizes))[:-1]

@@ -27,7 +27,7 @@
 #   study      the capacity study, resumable across runs (tools/study_gpu.sh, ~9 min)
 #   trainlte   laLTE's training cost against GDN+SWA: the router's pieces (tools/bench_router.py),
 #              the 0.4b pair with its GPU time by op class, the 1.4b pair over per-device batches
-#              1, 2, 4 (the fastest marked), lalte-0.4b with every op on Pallas (~9 min)
+#              1, 2, 4 (the fastest marked) (~7 min)
 #   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
@@ -199,10 +199,6 @@ case "$stage" in
       --json "$dest/train_0_4b.json"
     step 200 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
       --steps 3 --warmup 1 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
-    # Every op of laLTE on its Pallas version: the router's conv layers too (the router's
-    # GPU default is XLA until these rows say otherwise).
-    step 120 python3 tools/bench_train.py --presets lalte-0.4b --batch 4 --steps 5 --warmup 2 \
-      --lte_kept_fraction 0.125 --implementation pallas --json "$dest/train_0_4b_pallas.json"
     ;;
   anchors)
     # Ours first (JAX, then the process ends and frees the GPU), then FLA's PyTorch training of

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import LTEConfig
-from lalte_jax.layers import initializers
-from pallas_kernels import counter_hash, router_conv
+from lalte_jax.layers import counter_hash, initializers, router_conv
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
@@ -47,19 +46,6 @@ class LTERouter(nnx.Module):
         rngs.params(), (heads, widths[-1])))
     self.proj_bias = nnx.Param(jnp.full((heads,), 0.5, jnp.float32))
 
-  def _conv_implementation(self, weight_shape: tuple[int, ...], mask_BT: jax.Array | None
-                           ) -> str | None:
-    """The conv layers' implementation: the LTE config's where it names "pallas" and the fused
-    kernels apply (no padding mask, channel widths they tile), else the GPU default (None) or
-    "xla". (The kernels are not wrapped per shard like the attention's: under a mesh of several
-    devices they are not meant to be fast yet.)"""
-    implementation = self.config.implementation
-    if implementation == "pallas":
-      if mask_BT is None and router_conv.pallas_handles(weight_shape[2], weight_shape[3]):
-        return "pallas"
-      return "xla"
-    return implementation if implementation in (None, "xla") else None
-
   def __call__(self, k_BTKD: jax.Array, v_BTKD: jax.Array, *, mask_BT: jax.Array | None = None,
                dropout_key: jax.Array | None = None) -> jax.Array:
     """Scores [B, T, Hkv] float32 in (-0.5, 0.5) from pre-RoPE keys and values.
@@ -81,8 +67,7 @@ class LTERouter(nnx.Module):
                                            lte.router_dilations, layer_keys):
       h_KBTC = router_conv.conv_silu(
           h_KBTC, weight[...], bias[...], None if key is None else counter_hash.seed_words(key),
-          mask_BT, rate=lte.router_dropout, dilation=dilation,
-          implementation=self._conv_implementation(weight.shape, mask_BT))
+          mask_BT, rate=lte.router_dropout, dilation=dilation)
     logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, self.proj_weight[...].astype(dtype),
                            preferred_element_type=jnp.float32) + self.proj_bias[...][:, None, None]
     return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5

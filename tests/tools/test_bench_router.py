@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from tests.tools import load_tool
 
-from pallas_kernels.router_conv import grouped_conv_same
+from lalte_jax.layers.router_conv import grouped_conv_same
 
 
 def test_tiny_preset_rows_and_json(tmp_path, capsys):
@@ -19,7 +19,7 @@ def test_tiny_preset_rows_and_json(tmp_path, capsys):
   rows = json.loads(output.read_text())
   assert [r["row"] for r in rows] == [
       "router fwd+bwd, dropout", "router fwd+bwd, no dropout",
-      "router fwd+bwd, dropout, Pallas conv layers", "masks, hashed (ours)",
+      "router fwd+bwd, dropout, pre-activations saved", "masks, hashed (ours)",
       "masks, threefry (jax.random.bernoulli)", "conv layers fwd+bwd, batched einsum (ours)",
       "conv layers fwd+bwd, batched einsum, float32 taps",
       "conv layers fwd+bwd, grouped lax.conv, token-major"]

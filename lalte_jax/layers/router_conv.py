@@ -1,4 +1,4 @@
-"""One layer of the LTE router's CNN in jnp: silu(conv(dropout(x)) + bias), heads leading.
+"""One layer of the LTE router's CNN, silu(conv(dropout(x)) + bias), with the heads leading.
 
 `grouped_conv_same` is the per-head 1-D convolution with 'same' zero padding: one batched matmul
 (heads leading, so no transpose) gives every tap's output y_i = x W_i at once; shifting y_i by the
@@ -9,14 +9,25 @@ an H200: tools/bench_router.py.) The taps' outputs are in the input's dtype (eac
 float32 by the matmul) and summed in float32: in bf16 that halves the bytes of the largest
 tensors of the router, forward and backward (the three conv layers of lalte-0.4b at B4 T4096,
 forward and backward: 1.28 -> 0.77 ms on an H200).
+
+The pre-activation (conv + bias, before the SiLU) carries the checkpoint name PRE_ACTIVATION,
+which the remat policy "attention" saves (lalte_jax/model.py): its backward then needs no
+recomputed convolution, only the elementwise SiLU and the dropout mask from the counter hash.
+(lalte-0.4b at B4 T4096 on one H200, 2026-11-29: 107,337 -> 108,211 tokens/s, peak 10.8 -> 10.0
+GiB.) A fused Pallas forward and backward of the layer measured 2.7x slower than this form
+(tools/bench_router.py, the same day) and was removed.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels import counter_hash
+from lalte_jax.layers import counter_hash
+
+# The pre-activation's name for remat policies (ModelConfig.remat "attention" saves it).
+PRE_ACTIVATION = "lte_router_pre_activation"
 
 
 def grouped_conv_same(h_KBTC: jax.Array, weight_KICO: jax.Array, dilation: int) -> jax.Array:
@@ -43,14 +54,31 @@ def dropped(x_KBTC: jax.Array, seed: jax.Array | None, rate: float) -> jax.Array
 
 
 def conv_silu(x_KBTC: jax.Array, weight_KICO: jax.Array, bias_KO: jax.Array,
-              seed: jax.Array | None, mask_BT: jax.Array | None, rate: float, dilation: int
-              ) -> jax.Array:
-  """silu(conv(dropout(x)) + bias) [K, B, T, O] in x's dtype; the conv output is zeroed at the
-  masked-out positions before the SiLU (they then read as zero padding to the next layer)."""
+              seed: jax.Array | None = None, mask_BT: jax.Array | None = None, *, rate: float,
+              dilation: int) -> jax.Array:
+  """silu(conv(dropout(x)) + bias): one router layer, [K, B, T, C] -> [K, B, T, O] in x's dtype.
+
+  Args:
+    x_KBTC: the layer's input, heads leading.
+    weight_KICO: [K, taps, C, O] per-head taps (odd count; 'same' zero padding at `dilation`).
+    bias_KO: [K, O].
+    seed: uint32 [2], the dropout's seed words (`counter_hash.seed_words` of the layer's key);
+      None: no dropout.
+    mask_BT: bool [B, T], True at real tokens: the conv output is zeroed elsewhere before the
+      SiLU (they then read as zero padding to the next layer); None: every token is real.
+    rate: the dropout rate in [0, 1).
+  """
+  heads, _, _, channels = x_KBTC.shape
+  if weight_KICO.shape[0] != heads or weight_KICO.shape[2] != channels:
+    raise ValueError(f"router_conv.conv_silu: weight_KICO {weight_KICO.shape} does not fit"
+                     f" x_KBTC {x_KBTC.shape}")
+  if weight_KICO.shape[1] % 2 != 1:
+    raise ValueError(f"router_conv.conv_silu: 'same' padding needs an odd tap count, got"
+                     f" {weight_KICO.shape[1]}")
   dtype = x_KBTC.dtype
   x_KBTC = dropped(x_KBTC, seed, rate)
   h_KBTO = (grouped_conv_same(x_KBTC, weight_KICO.astype(dtype), dilation).astype(dtype)
             + bias_KO.astype(dtype)[:, None, None, :])
   if mask_BT is not None:
     h_KBTO = h_KBTO * mask_BT[None, :, :, None].astype(dtype)
-  return jax.nn.silu(h_KBTO)
+  return jax.nn.silu(checkpoint_name(h_KBTO, PRE_ACTIVATION))

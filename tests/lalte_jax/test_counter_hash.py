@@ -1,12 +1,12 @@
-"""Dropout masks from the counter hash (pallas_kernels/counter_hash.py): rate, determinism,
+"""Dropout masks from the counter hash (lalte_jax/layers/counter_hash.py): rate, determinism,
 independence of neighbouring elements and the documented index contract."""
 
 import jax
 import numpy as np
 import pytest
 
-from pallas_kernels import counter_hash
-from pallas_kernels.counter_hash import keep_threshold, mix32
+from lalte_jax.layers import counter_hash
+from lalte_jax.layers.counter_hash import keep_threshold, mix32
 
 
 def keep_mask(key, shape, rate, *, layout="BTKC"):

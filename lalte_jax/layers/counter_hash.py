@@ -1,12 +1,12 @@
-"""Counter-based random bits: a hash of an element's index, the same in jnp and inside a kernel.
+"""Counter-based random bits: a hash of an element's index (the LTE router's dropout masks).
 
 An element's 32 bits come from two 32-bit seed words (drawn once from a PRNG key) and two indices
 (a token and a unit, e.g. head * channels + channel): the token's index is mixed with the first
 word, the unit's index is added in the golden-ratio sequence after xoring the second, and mixed
 again. The mixer is Wellons' `lowbias32` (2018), an invertible xor-shift-multiply avalanche. No
-generator state: any element's bits can be computed anywhere, so a kernel redraws the dropout mask
-an XLA forward pass drew (pallas_kernels/router_conv), and the bits partition over any mesh like
-the iota they start from.
+generator state: any element's bits can be computed anywhere from its index (the backward pass
+and a remat recompute redraw the forward's mask from the seed), and the bits partition over any
+mesh like the iota they start from.
 
 Why not `jax.random.bernoulli`: it runs threefry (20 rounds per pair of 32-bit words) for every
 element. The LTE router draws three masks per layer call ([Hkv, B, T, C] for C = 2D, D, D/2) in
