@@ -7,6 +7,9 @@ group's slice of it, per token (`lalte_jax.inference.group_slot`, `pallas_kernel
 - "pallas": the step lowered for a GPU at the 0.4b shapes passes the stacked cache leaves whole to
   the kernels (with the group index), the kernels that write a cache alias it, and no group
   slice is cut out; in interpret mode on the CPU the steps give the "xla" steps' logits.
+- `generate`'s loop: the decode steps inside it make no cache-sized buffer either (on the CPU at
+  the tiny presets; compiled for the GPU at 0.4b shapes in a `gpu` test), so a token of
+  `generate` moves the bytes of a step sent alone.
 """
 
 import dataclasses
@@ -20,7 +23,7 @@ from flax import nnx
 
 from lalte_jax import generate as gen
 from lalte_jax.config import get_model_config
-from lalte_jax.inference import caches, stack
+from lalte_jax.inference import caches, prompts, sampling, stack
 from lalte_jax.model import HybridLM
 
 FAMILIES = ["gdn", "gdn_swa", "gdn_attn", "lalte", "lansa"]
@@ -91,15 +94,40 @@ def _updates_in_place(computations: dict, fused: str) -> bool:
   return op in ("dynamic-update-slice", "scatter")
 
 
-def cache_sized_buffers(hlo_text: str, leaf_shapes: dict) -> list[str]:
+def loop_computations(hlo_text: str, scope: str) -> set[str]:
+  """The computations run by the while loops whose op_name holds the name scope `scope` (their
+  bodies and conditions, and what those call), where XLA's own copies of loop-carried buffers
+  would sit (such copies carry no op_name of their own)."""
+  computations = _computations(hlo_text)
+  instructions = lambda body: [entry for name, entry in body.items() if name != "root"]
+  # A while's value is a tuple, which _INSTRUCTION does not parse: read its lines directly.
+  pending = [called for line in hlo_text.splitlines()
+             if " while(" in line and f"/{scope}/" in line
+             for called in re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)]
+  found = set()
+  while pending:
+    computation = pending.pop()
+    if computation in found or computation not in computations:
+      continue
+    found.add(computation)
+    pending += [called for _, _, rest in instructions(computations[computation])
+                for called in re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)", rest)]
+  return found
+
+
+def cache_sized_buffers(hlo_text: str, leaf_shapes: dict, within: set[str] | None = None
+                        ) -> list[str]:
   """Instructions outside fusions that produce a new buffer of a checked leaf's shape (per group,
   or the whole stack): copies, slices, and values computed into a buffer of their own (a group's
   new state written back afterwards is one more copy of it). In-place updates (a
-  dynamic-update-slice or scatter, fused or not) and loop results are not new buffers."""
+  dynamic-update-slice or scatter, fused or not) and loop results are not new buffers.
+  `within`: only these computations (e.g. `loop_computations`); None: all."""
   computations = _computations(hlo_text)
   found = []
   for computation, body in computations.items():
     if computation.startswith(("fused", "wrapped")):
+      continue
+    if within is not None and computation not in within:
       continue
     for name, entry in body.items():
       if name == "root":
@@ -145,6 +173,48 @@ def test_xla_decode_step_makes_no_cache_sized_buffer(variant):
     # Before the in-place layout: 0.75-0.8 of the cache (13.1 of 16.9 MB for gdn_attn at 8K).
     assert large_temp - small_temp < 0.02 * (large_cache - small_cache), measured
     assert large_temp < 0.1 * large_cache, measured
+
+
+
+
+def compiled_generate_loop(variant: str, size: str, batch: int, prompt: int, new_tokens: int):
+  """`generate`'s compiled program for a preset (the default implementations of the backend)
+  and the shapes of its cache: (HLO text, abstract cache)."""
+  config = get_model_config(f"{variant}-{size}")
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0))))
+  new_bucket = prompts.bucket_length(new_tokens)
+  max_length = caches.check_cache_request(config, batch, prompt + new_bucket, None)
+  generate_jit = gen._generate_jit  # pylint: disable=protected-access
+  text = generate_jit.lower(
+      graphdef, config, state, jax.ShapeDtypeStruct((batch, prompt), jnp.int32),
+      jax.ShapeDtypeStruct((batch, prompt), jnp.bool_), jnp.asarray(new_tokens, jnp.int32),
+      sampling.make_sampling_params(0.0, None, None), jnp.full((8,), -1, jnp.int32),
+      jax.random.key(0), jnp.asarray(0, jnp.int32), new_bucket=new_bucket,
+      max_length=max_length, eviction=None).compile().as_text()
+  return text, jax.eval_shape(lambda: caches.build_cache(config, batch, max_length, None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gdn_swa", "lalte"])
+def test_generate_decode_loop_makes_no_cache_sized_buffer(variant):
+  """The steps inside `generate`'s loop update the cache in place as the step alone does."""
+  text, cache = compiled_generate_loop(variant, "tiny", BATCH, 64, 64)
+  loop = loop_computations(text, gen.DECODE_LOOP_SCOPE)
+  assert len(loop) >= 2  # the loop's body and condition at least: the scope names it
+  assert cache_sized_buffers(text, leaf_shapes(cache), loop) == []
+  # The prefill before the loop (once per call) is left out: its group scan copies states on
+  # the CPU, which the check would catch.
+  assert cache_sized_buffers(text, leaf_shapes(cache)) != []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gdn_swa", "lalte"])
+def test_generate_decode_loop_on_the_gpu_makes_no_cache_sized_buffer(variant):
+  """The same at the 0.4b shapes, compiled for the GPU (Pallas kernels writing the cache)."""
+  text, cache = compiled_generate_loop(variant, "0.4b", 8, 256, 64)
+  loop = loop_computations(text, gen.DECODE_LOOP_SCOPE)
+  assert len(loop) >= 2
+  assert cache_sized_buffers(text, leaf_shapes(cache), loop) == []
 
 
 def test_cache_sized_buffers_finds_a_group_slice():
