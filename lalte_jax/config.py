@@ -189,7 +189,8 @@ class ModelConfig:
   # for serving: lalte_jax.inference.param_dtype)
   scan_layers: bool = True  # scan over the repeated group of layers (compile time flat in depth)
   # Recompute in the backward pass: "block" each layer group, "dots" the group but its matmuls'
-  # outputs, "attention" the group but the attention kernels' outputs (HybridLM._run_groups).
+  # outputs, "attention" the group but the attention kernels' outputs and the LTE router's conv
+  # pre-activations (model.REMAT_CHECKPOINT_POLICIES).
   remat: RematPolicy = "none"
   max_position_embeddings: int = 4096
 
