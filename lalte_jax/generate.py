@@ -190,14 +190,10 @@ class GenerationOutput:
 # (2026-11-28): 5.62 ms a step at batch 1, 4.51 ms at batch 2 (docs/benchmarks.md §4).
 MIN_DECODE_ROWS = 2
 
-# Decode steps per iteration of generate's loop, whose stop condition is checked between them (a
-# loop of data-dependent length waits for its condition on the host at every iteration). One
-# H200, 2026-11-29, lalte-1.4b after a 4K prompt (tools/bench_serving.py --generate 129 256): a
-# token cost 4.30 ms at B32 and 3.33 ms at B1 with one step per iteration, 4.00 and 3.12 ms with
-# 8, against 2.96 ms for decode steps sent back to back. At most DECODE_CHUNK - 1 steps run past
-# the last token needed. Divides every bucket of new-token lengths (prompts.bucket_length).
-DECODE_CHUNK = 8
-# The name scope of generate's decode loop (tests find the loop's computations by it).
+# The name scope of generate's decode loop (tests find the loop's computations by it). The loop
+# runs one decode step per iteration and checks its stop condition after each; eight steps per
+# iteration (a fixed-count inner loop) measured no faster: one H200, 2026-11-29, lalte-1.4b B32
+# after a 4K prompt, 4.30 ms a step either way (docs/benchmarks.md §4).
 DECODE_LOOP_SCOPE = "decode_loop"
 
 
@@ -221,24 +217,20 @@ def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, 
     step, _, _, done_B, _ = carry
     return (step < max_new_tokens) & ~jnp.all(done_B[:rows])  # filler rows never hold it up
 
-  def one_step(_, carry):
+  def one_step(carry):
     step, logits_BV, cache, done_B, out_BN = carry
     token_B = sampling.sample_tokens(logits_BV, jax.random.fold_in(key, step), params)
-    token_B = jnp.where(done_B | (step >= max_new_tokens), pad_id, token_B)
+    token_B = jnp.where(done_B, pad_id, token_B)
     out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, token_B[:, None], step, axis=1)
     done_B = done_B | jnp.any(token_B[:, None] == stop_S[None, :], axis=1)
     # The last iteration's decode is not needed; skipping it would cost a cond on every step.
     logits_BV, cache = stack.decode_impl(model, token_B, cache)
     return step + 1, logits_BV, cache, done_B, out_BN
 
-  def chunk(carry):  # DECODE_CHUNK steps; bucket lengths are multiples of it, so none overflows
-    return jax.lax.fori_loop(0, DECODE_CHUNK, one_step, carry)
-
   out_BN = jnp.full((batch, new_bucket), pad_id, jnp.int32)
   carry = (jnp.zeros((), jnp.int32), logits_BV, cache, jnp.zeros((batch,), bool), out_BN)
   with jax.named_scope(DECODE_LOOP_SCOPE):  # names the loop in the compiled program's metadata
-    step, _, _, _, out_BN = jax.lax.while_loop(cond, chunk, carry)
-  step = jnp.minimum(step, max_new_tokens)  # the last chunk's steps past it emitted padding
+    step, _, _, _, out_BN = jax.lax.while_loop(cond, one_step, carry)
   out_BN = out_BN[:rows]
   # A row's length: up to and including its first stop token, else every generated token.
   is_stop_BN = jnp.any(out_BN[:, :, None] == stop_S[None, None, :], axis=-1)
@@ -247,21 +239,13 @@ def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, 
   return out_BN, first_stop_B.astype(jnp.int32)
 
 
-def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt_lengths=None,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             stop_tokens: Sequence[int] = (), rng: jax.Array | None = None,
-             eviction: EvictionConfig | None = None, pad_id: int = 0) -> GenerationOutput:
-  """Generates up to `max_new_tokens` tokens per prompt (greedy when temperature == 0).
-
-  prompt_tokens: a list of token-id sequences, or an int array [B, T] with `pad_mask` ([B, T]
-    bool, True = real, any padding side) or `prompt_lengths` ([B], the first L_b tokens are real).
-  stop_tokens: ids that end a row (the stop token is kept in the output); rows stop independently,
-    the loop when every row has stopped.
-  rng: a `jax.random.key`, required when temperature > 0.
-  eviction: an `EvictionConfig` for the full-attention layers (TOVA / uniform, §7.1-7.2).
-  Raises ValueError for empty prompts, ids outside the vocabulary, max_new_tokens < 1, or bad
-  sampling arguments.
-  """
+def _generate_arguments(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None,
+                        prompt_lengths=None, temperature: float = 0.0, top_k: int | None = None,
+                        top_p: float | None = None, stop_tokens: Sequence[int] = (),
+                        rng: jax.Array | None = None, eviction: EvictionConfig | None = None,
+                        pad_id: int = 0) -> tuple[tuple, dict]:
+  """`generate`'s arguments checked and turned into those of its compiled program:
+  (positional, keyword) for `_generate_jit`."""
   config = model.config
   if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
       or max_new_tokens < 1:
@@ -282,12 +266,42 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt
   max_length = caches.check_cache_request(config, tokens_BP.shape[0],
                                           tokens_BP.shape[1] + new_bucket, eviction)
   graphdef, state = nnx.split(model)
-  out_BN, lengths_B = _generate_jit(
-      graphdef, config, state, jnp.asarray(tokens_BP), jnp.asarray(valid_BP),
-      jnp.asarray(max_new_tokens, jnp.int32), params, jnp.asarray(stop_S), key,
-      jnp.asarray(pad_id, jnp.int32), new_bucket=new_bucket, max_length=max_length,
-      eviction=eviction)
+  return ((graphdef, config, state, jnp.asarray(tokens_BP), jnp.asarray(valid_BP),
+           jnp.asarray(max_new_tokens, jnp.int32), params, jnp.asarray(stop_S), key,
+           jnp.asarray(pad_id, jnp.int32)),
+          {"new_bucket": new_bucket, "max_length": max_length, "eviction": eviction})
+
+
+def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt_lengths=None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             stop_tokens: Sequence[int] = (), rng: jax.Array | None = None,
+             eviction: EvictionConfig | None = None, pad_id: int = 0) -> GenerationOutput:
+  """Generates up to `max_new_tokens` tokens per prompt (greedy when temperature == 0).
+
+  prompt_tokens: a list of token-id sequences, or an int array [B, T] with `pad_mask` ([B, T]
+    bool, True = real, any padding side) or `prompt_lengths` ([B], the first L_b tokens are real).
+  stop_tokens: ids that end a row (the stop token is kept in the output); rows stop independently,
+    the loop when every row has stopped.
+  rng: a `jax.random.key`, required when temperature > 0.
+  eviction: an `EvictionConfig` for the full-attention layers (TOVA / uniform, §7.1-7.2).
+  Raises ValueError for empty prompts, ids outside the vocabulary, max_new_tokens < 1, or bad
+  sampling arguments.
+  """
+  args, kwargs = _generate_arguments(
+      model, prompt_tokens, max_new_tokens, pad_mask=pad_mask, prompt_lengths=prompt_lengths,
+      temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
+      eviction=eviction, pad_id=pad_id)
+  out_BN, lengths_B = _generate_jit(*args, **kwargs)
   return GenerationOutput(tokens=out_BN[:, :max_new_tokens], lengths=lengths_B)
+
+
+def lower_generate(model, prompt_tokens, max_new_tokens: int, **options) -> jax.stages.Lowered:
+  """The program `generate` runs for these arguments (the same as `generate`'s), lowered:
+  `.compile().as_text()` gives its HLO (tools/bench_serving.py's profile,
+  tests/lalte_jax/test_decode_in_place.py). One program serves every max_new_tokens of a bucket
+  (prompts.bucket_length)."""
+  args, kwargs = _generate_arguments(model, prompt_tokens, max_new_tokens, **options)
+  return _generate_jit.lower(*args, **kwargs)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from flax import nnx
 
 from lalte_jax import generate as gen
 from lalte_jax.config import get_model_config
-from lalte_jax.inference import caches, prompts, sampling, stack
+from lalte_jax.inference import caches, prompts, stack
 from lalte_jax.model import HybridLM
 
 FAMILIES = ["gdn", "gdn_swa", "gdn_attn", "lalte", "lansa"]
@@ -181,16 +181,11 @@ def compiled_generate_loop(variant: str, size: str, batch: int, prompt: int, new
   """`generate`'s compiled program for a preset (the default implementations of the backend)
   and the shapes of its cache: (HLO text, abstract cache)."""
   config = get_model_config(f"{variant}-{size}")
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0))))
-  new_bucket = prompts.bucket_length(new_tokens)
-  max_length = caches.check_cache_request(config, batch, prompt + new_bucket, None)
-  generate_jit = gen._generate_jit  # pylint: disable=protected-access
-  text = generate_jit.lower(
-      graphdef, config, state, jax.ShapeDtypeStruct((batch, prompt), jnp.int32),
-      jax.ShapeDtypeStruct((batch, prompt), jnp.bool_), jnp.asarray(new_tokens, jnp.int32),
-      sampling.make_sampling_params(0.0, None, None), jnp.full((8,), -1, jnp.int32),
-      jax.random.key(0), jnp.asarray(0, jnp.int32), new_bucket=new_bucket,
-      max_length=max_length, eviction=None).compile().as_text()
+  model = HybridLM(config, rngs=nnx.Rngs(0))
+  text = gen.lower_generate(model, np.ones((batch, prompt), np.int32), new_tokens
+                            ).compile().as_text()
+  max_length = caches.check_cache_request(config, batch,
+                                          prompt + prompts.bucket_length(new_tokens), None)
   return text, jax.eval_shape(lambda: caches.build_cache(config, batch, max_length, None))
 
 

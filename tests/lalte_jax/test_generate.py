@@ -180,19 +180,6 @@ def test_stop_tokens_end_each_row_and_pad_the_rest():
     assert not np.asarray(out.tokens[row, n:]).any()
 
 
-def test_decode_chunks_never_pass_a_bucket_and_lengths_ignore_the_chunk():
-  """generate decodes DECODE_CHUNK steps between its stop checks: every bucket of new-token
-  lengths is a multiple of it, and a count that is not (5) returns exactly its tokens, the first
-  5 of a longer run's, with length 5."""
-  assert gen.prompts.MIN_BUCKET % gen.DECODE_CHUNK == 0
-  assert gen.prompts.LARGE_BUCKET_STEP % gen.DECODE_CHUNK == 0
-  model = tiny_model("gdn_swa", init_std=0.2)
-  longer = np.asarray(gen.generate(model, [[5, 6, 7]], 12).tokens)
-  out = gen.generate(model, [[5, 6, 7]], 5)
-  assert out.tokens.shape == (1, 5) and int(out.lengths[0]) == 5
-  np.testing.assert_array_equal(np.asarray(out.tokens), longer[:, :5])
-
-
 def test_one_prompt_decodes_as_two_rows_and_returns_one(monkeypatch):
   """A single prompt runs as MIN_DECODE_ROWS identical rows (so one-row projections become
   GEMMs on the GPU) and comes back as one row, its stop decided by that row alone."""
