@@ -10,6 +10,8 @@ decode of the same shapes in the same process.
         --compare-fla                                  # + FLA 0.6.0's models, eager PyTorch
     python tools/bench_serving.py --presets lalte-tiny --batches 2 --prompts 32 --steps 2 \\
         --warmup 1 --prefill-iters 1                   # CPU smoke run
+    python tools/bench_serving.py --presets lalte-1.4b --batches 32 --prompts 4096 \\
+        --generate 129 256 --profile-generate          # where a token of `generate` goes
 
 For each preset, prompt length P and batch B (in that order, so one preset's compiled programs
 are reused): B random prompts of P tokens (tools/bench_prefill.py's) run through the prefill that
@@ -37,7 +39,10 @@ bytes at the copy's speed).
 `--generate SHORT LONG` adds `generate` itself (the prefill and the greedy decode loop in one
 program, as a user calls it): the difference of its times for LONG and SHORT new tokens over
 LONG - SHORT, in ms per token (e.g. 129 and 256 new tokens), which shows whether
-the loop runs at the pipelined steps' pace.
+the loop runs at the pipelined steps' pace. `--profile-generate` then traces one call of each
+(tools/step_profile.py) and gives the GPU time per token by op class, the same difference: where
+a token of the loop spends what a pipelined step does not (a whole cache copied per step would
+show as copies).
 
 Memory: each compiled program's footprint from XLA's memory analysis (arguments + outputs -
 donated + temporaries), the prefill's and the decode step's: what the row needs at its peak.
@@ -87,6 +92,7 @@ from bench_decode import build_model  # tools/bench_decode.py
 from bench_decode_attention import copy_case  # tools/bench_decode_attention.py
 from bench_prefill import fla_prefill, random_prompts  # tools/bench_prefill.py
 from bench_train import is_out_of_memory  # tools/bench_train.py
+import step_profile  # tools/step_profile.py
 from fla_models import fla_model, has_fla_model, load_fla  # tools/fla_models.py
 
 DEFAULT_PRESETS = tuple(f"{variant}-{size}" for size in ("1.4b", "0.4b")
@@ -181,14 +187,17 @@ def ours_row(model, batch: int, prompt: int, args) -> dict:
          "prefill_memory": prefill_memory, "decode_memory": decode_memory}
   if args.generate:
     row["generate_ms_per_token"] = generate_ms_per_token(model, tokens_BT, args.generate)
+  if args.profile_generate:
+    row["generate_profile"] = profile_generate(model, tokens_BT, args.generate)
   return row
 
 
 def generate_ms_per_token(model, tokens_BT, new_tokens: tuple[int, int]) -> float:
   """ms per generated token of `generate` (greedy; its prefill and decode loop in one program):
   the difference of its median times (of 2 calls after one untimed) for the two counts of new
-  tokens, over their difference, so the prefill cancels. Both counts lie in one bucket of
-  `generate`'s new-token lengths, so one program runs both."""
+  tokens, over their difference, so the prefill cancels. `generate` runs one decode step per
+  token (no stop tokens here), so this is also its time per step. Both counts lie in one bucket
+  of `generate`'s new-token lengths, so one program runs both."""
   seconds = []
   for count in new_tokens:
     times = []
@@ -198,6 +207,51 @@ def generate_ms_per_token(model, tokens_BT, new_tokens: tuple[int, int]) -> floa
       times.append(time.perf_counter() - start)
     seconds.append(statistics.median(times[1:]))
   return 1e3 * (seconds[1] - seconds[0]) / (new_tokens[1] - new_tokens[0])
+
+
+def profile_generate(model, tokens_BT, new_tokens: tuple[int, int]) -> dict:
+  """GPU time of one `generate` token by op class: tools/step_profile.py's breakdown of a traced
+  call for LONG new tokens minus that of a call for SHORT, over LONG - SHORT (the prefill
+  cancels, as in `generate_ms_per_token`). One program runs both counts; its HLO classifies the
+  kernels. The tracer launches kernels one by one (no CUDA graphs), so compare the classes and the
+  GPU's idle time per token with tools/bench_decode.py --profile of the step alone, not the wall
+  time with the untraced runs."""
+  text = gen.lower_generate(model, tokens_BT, new_tokens[1]).compile().as_text()
+  profiles = []
+  for count in new_tokens:
+    run = lambda _, count=count: jax.block_until_ready(gen.generate(model, tokens_BT, count).tokens)
+    profiles.append(step_profile.profile_step(run, None, text, steps=2, warmup=1)[0])
+  short, long = profiles
+  tokens = new_tokens[1] - new_tokens[0]
+  per_token = {key: (long[key] - short[key]) / tokens
+               for key in ("wall_ms", "busy_ms", "idle_ms", "kernel_ms")}
+  by_class = lambda profile: {row["class"]: row for row in profile["classes"]}
+  short_classes, long_classes = by_class(short), by_class(long)
+  classes = [{"class": name,
+              "ms": (row["ms"] - short_classes.get(name, {}).get("ms", 0.0)) / tokens,
+              "launches": (row["launches"] - short_classes.get(name, {}).get("launches", 0.0))
+                          / tokens,
+              "top": row["top"][:3]}
+             for name, row in long_classes.items()]
+  classes.sort(key=lambda row: row["ms"], reverse=True)
+  return {**per_token, "source": long["source"], "new_tokens": list(new_tokens),
+          "classes": classes}
+
+
+def profile_markdown(row: dict) -> str:
+  """One row's `generate_profile` as a heading, a summary line and a table per token."""
+  profile = row["generate_profile"]
+  lines = [f"#### `generate` per token: {row['model']}, batch {row['batch']}, prompt"
+           f" {row['prompt']} (new tokens {profile['new_tokens'][1]} - {profile['new_tokens'][0]})",
+           "", f"{profile['source']}: wall {profile['wall_ms']:.3f} ms, busy"
+           f" {profile['busy_ms']:.3f} ms, idle {profile['idle_ms']:.3f} ms, kernel sum"
+           f" {profile['kernel_ms']:.3f} ms per token (traced).", "",
+           "| class | ms / token | launches / token | top kernels of the longer call |",
+           "|---|---:|---:|---|"]
+  for entry in profile["classes"]:
+    top = "; ".join(f"`{k['kernel'][:50]}`" for k in entry["top"])
+    lines.append(f"| {entry['class']} | {entry['ms']:.3f} | {entry['launches']:.1f} | {top} |")
+  return "\n".join(lines)
 
 
 def fla_row(torch, model, batch: int, prompt: int, args) -> dict:
@@ -309,8 +363,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--generate", nargs=2, type=int, metavar=("SHORT", "LONG"), default=None,
                       help="also time `generate` per token: the difference of its times for"
                            " LONG and SHORT new tokens (one bucket, e.g. 129 256)")
+  parser.add_argument("--profile-generate", action="store_true",
+                      help="also trace `generate` at SHORT and LONG (--generate) and give its GPU"
+                           " time per token by op class")
   parser.add_argument("--json", default="", help="also write the report here")
   args = parser.parse_args(argv)
+  if args.profile_generate and args.generate is None:
+    parser.error("--profile-generate: needs --generate SHORT LONG")
   if args.generate is not None:
     short, long = args.generate
     if not 1 <= short < long or prompts.bucket_length(short) != prompts.bucket_length(long):
@@ -374,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         f" {copy_gbs:.0f} GB/s pipelined (the bound's), {synchronous_gbs:.0f} GB/s synchronous")
   print(f"Command: {report['command']}")
   print(markdown_table(report["rows"]))
+  for row in report["rows"]:
+    if "generate_profile" in row:
+      print("\n" + profile_markdown(row))
   return 0
 
 

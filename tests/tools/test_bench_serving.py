@@ -3,6 +3,7 @@ presets with --json."""
 
 import importlib.util
 import json
+import types
 
 import jax
 import numpy as np
@@ -100,12 +101,54 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
   assert "generate ms / token" in printed
 
 
+def test_profile_generate_gives_the_per_token_difference_by_class(monkeypatch):
+  """The SHORT call's class times are subtracted from the LONG call's and divided by the tokens
+  between them (fake breakdowns; a class only the longer call has counts from zero)."""
+  bench = load_tool("bench_serving")
+
+  def breakdown(wall, busy, kernel, classes):
+    return {"source": "GPU kernels", "wall_ms": wall, "busy_ms": busy, "idle_ms": wall - busy,
+            "kernel_ms": kernel,
+            "classes": [{"class": name, "ms": ms, "launches": launches, "top": []}
+                        for name, ms, launches in classes]}
+
+  calls = iter([breakdown(10.0, 8.0, 9.0, [("matmul", 4.0, 100), ("copy / transpose", 1.0, 10)]),
+                breakdown(30.0, 20.0, 23.0, [("matmul", 12.0, 300), ("copy / transpose", 7.0, 30),
+                                             ("XLA: reduction", 2.0, 40)])])
+  monkeypatch.setattr(bench.step_profile, "profile_step",
+                      lambda run, carry, text, *, steps, warmup: (next(calls), None))
+  compiled = types.SimpleNamespace(as_text=lambda: "")
+  monkeypatch.setattr(bench.gen, "lower_generate",
+                      lambda *args, **kwargs: types.SimpleNamespace(compile=lambda: compiled))
+  profile = bench.profile_generate(None, None, (10, 20))
+  assert (profile["wall_ms"], profile["busy_ms"], profile["idle_ms"], profile["kernel_ms"]) == \
+      pytest.approx((2.0, 1.2, 0.8, 1.4))
+  assert [(c["class"], c["ms"], c["launches"]) for c in profile["classes"]] == [
+      ("matmul", pytest.approx(0.8), pytest.approx(20.0)),
+      ("copy / transpose", pytest.approx(0.6), pytest.approx(2.0)),
+      ("XLA: reduction", pytest.approx(0.2), pytest.approx(4.0))]
+
+
+@pytest.mark.slow
+def test_tiny_preset_generate_profile(tmp_path, capsys):
+  bench = load_tool("bench_serving")
+  output = tmp_path / "serving.json"
+  assert bench.main(["--presets", "lalte-tiny", "--batches", "2", "--prompts", "24",
+                     "--steps", "2", "--warmup", "1", "--prefill-iters", "1", "--copy-mib", "8",
+                     "--generate", "9", "16", "--profile-generate", "--json", str(output)]) == 0
+  profile = json.loads(output.read_text())["rows"][0]["generate_profile"]
+  assert profile["new_tokens"] == [9, 16] and profile["classes"]
+  assert all(np.isfinite(c["ms"]) for c in profile["classes"])
+  assert "#### `generate` per token: lalte-tiny, batch 2" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--presets", "lalte-huge"], "--presets: "),
     (["--batches", "0"], "must be >= 1"),
     (["--warmup", "-1"], "--warmup >= 0"),
     (["--generate", "100", "300"], "one bucket"),
     (["--generate", "16", "9"], "SHORT < LONG"),
+    (["--profile-generate"], "needs --generate"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
