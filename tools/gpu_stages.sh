@@ -33,6 +33,8 @@
 #              step, 2026-11-26)
 #   serving    prefill and decode of the 1.4b presets against the decode step's bytes bound
 #              (tools/bench_serving.py; SERVING_ARGS selects; ~5 min)
+#   genloop    generate's loop against pipelined decode steps: the GPU test that the loop copies no
+#              cache, and the loop's GPU time per token by op class (~7 min)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
 #              and with XLA's default CUDA-graph size (~4 min)
@@ -50,7 +52,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -66,7 +68,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -250,6 +252,15 @@ case "$stage" in
     step 580 python3 tools/bench_serving.py \
       ${SERVING_ARGS:---presets lalte-1.4b gdn_swa-1.4b gdn-1.4b --batches 32 1 --prompts 4096} \
       --json "$dest/serving.json"
+    ;;
+  genloop)
+    # Where `generate`'s loop spends more per step than decode steps sent back to back: the GPU
+    # test that the loop, compiled for the GPU at 0.4b shapes, copies no cache, then the loop's
+    # GPU time per token by op class next to the pipelined steps (lalte-1.4b B32 after 4K).
+    step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_decode_in_place.py -k generate \
+      -p no:cacheprovider
+    step 380 python3 tools/bench_serving.py --presets lalte-1.4b --batches 32 --prompts 4096 \
+      --generate 129 256 --profile-generate --json "$dest/serving_generate.json"
     ;;
   flaprefill)
     step 600 python3 tools/bench_prefill.py --fla --lengths 4096 --json "$dest/prefill_4k.json"
