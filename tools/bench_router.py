@@ -4,7 +4,10 @@
     python tools/bench_router.py --presets lalte-tiny --batch 2 --seq_len 64 --repeats 2  # CPU
 
 Per preset, at its LTE shapes (Hkv heads, head dim D, the router's conv layers) with bf16 keys and
-values, the median wall time (after warm-up) of:
+values, three groups of variants; in each group every variant is timed in alternation with the
+group's first (`pallas_kernels.benchmarking.paired_ms`: medians of `--repeats` rounds after 2),
+and its ratio to that first one (`vs_first`) is what to compare across runs and machines (the
+absolute times of these sub-millisecond calls moved by 15% between machines, 2026-11-29):
 - `router fwd+bwd, dropout`: the gradient of the router's scores, summed, with respect to its
   weights, keys and values, under `jax.checkpoint` (as the training step's remat recomputes the
   block), with the dropout key the step passes;
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +48,7 @@ from lalte_jax.layers import counter_hash, router_conv
 from lalte_jax.layers.router_conv import grouped_conv_same
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
 from lalte_jax.presets import get_model_config
-from pallas_kernels.benchmarking import median_ms
+from pallas_kernels.benchmarking import Timed, paired_ms
 
 
 def hashed_dropout(x_KBTC, rate, key):
@@ -81,6 +85,20 @@ def lax_grouped_conv(h_BTKC, weight_KICO, dilation):
   return out_BTF.reshape(batch, length, heads, c_out)
 
 
+def paired_group(preset: str, group: list[tuple[str, Timed]], repeats: int) -> list[dict]:
+  """Rows of one group of variants, the first its anchor: each other variant is timed in
+  alternation with the anchor (`paired_ms`, after 2 warm-up rounds), so its ratio to the anchor
+  (`vs_first`) comes from the same moments of the GPU; the anchor's ms is the median of its
+  pairings."""
+  (anchor_name, anchor), rows, anchor_ms = group[0], [], []
+  for name, timed in group[1:]:
+    first_ms, ms = paired_ms(anchor, timed, warmup=2, rounds=repeats)
+    anchor_ms.append(first_ms)
+    rows.append({"preset": preset, "row": name, "ms": ms, "vs_first": ms / first_ms})
+  return [{"preset": preset, "row": anchor_name, "ms": statistics.median(anchor_ms),
+           "vs_first": 1.0}] + rows
+
+
 def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dict]:
   lte = get_model_config(preset).lte
   router = LTERouter(lte, rngs=nnx.Rngs(0))
@@ -90,7 +108,7 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
   k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(kv_key))
 
-  rows = []
+  rows, group = [], []
   save_pre_activations = jax.checkpoint_policies.save_only_these_names(router_conv.PRE_ACTIVATION)
   for name, key, policy in (("router fwd+bwd, dropout", dropout_key, None),
                             ("router fwd+bwd, no dropout", None, None),
@@ -99,8 +117,9 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
     def score_sum(params, k, v, key=key):
       return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
     grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
-    ms = median_ms(grad, [(params, k_BTKD, v_BTKD)], warmup=2, repeats=repeats)
-    rows.append({"preset": preset, "row": name, "ms": ms})
+    group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))
+  rows += paired_group(preset, group, repeats)
+  group = []
   widths = channel_widths(lte.head_dim, len(lte.router_kernel_sizes))[:-1]
   activations = [jnp.ones((lte.num_kv_heads, batch, seq_len, width), jnp.bfloat16)
                  for width in widths]
@@ -109,8 +128,9 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
     masks = jax.jit(lambda xs, key, draw=draw: [
         draw(x, lte.router_dropout, layer_key)
         for x, layer_key in zip(xs, jax.random.split(key, len(xs)))])
-    ms = median_ms(masks, [(activations, dropout_key)], warmup=2, repeats=repeats)
-    rows.append({"preset": preset, "row": name, "ms": ms})
+    group.append((name, Timed(masks, [(activations, dropout_key)])))
+  rows += paired_group(preset, group, repeats)
+  group = []
   weights = [w[...].astype(jnp.bfloat16) for w in router.conv_weights]
   h_BTKC = jnp.concatenate([k_BTKD, v_BTKD], axis=-1)
   for name, conv, h in (
@@ -125,8 +145,8 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
         h = jax.nn.silu(conv(h, weight, dilation))
       return jnp.sum(h.astype(jnp.float32))
     conv_grad = jax.jit(jax.grad(conv_sum, argnums=(0, 1)))
-    ms = median_ms(conv_grad, [(weights, h)], warmup=2, repeats=repeats)
-    rows.append({"preset": preset, "row": name, "ms": ms})
+    group.append((name, Timed(conv_grad, [(weights, h)])))
+  rows += paired_group(preset, group, repeats)
   for row in rows:
     row.update(batch=batch, seq_len=seq_len, kv_heads=lte.num_kv_heads, head_dim=lte.head_dim,
                dropout=lte.router_dropout, device=jax.devices()[0].device_kind)
@@ -147,10 +167,10 @@ def main(argv=None) -> int:
     parser.error("--batch, --seq_len and --repeats must be >= 1")
   rows = [row for preset in args.presets
           for row in router_rows(preset, args.batch, args.seq_len, args.repeats)]
-  print("| preset | B x T | row | ms |\n|---|---|---|---:|")
+  print("| preset | B x T | row | ms | / first of its group |\n|---|---|---|---:|---:|")
   for row in rows:
     print(f"| {row['preset']} | {row['batch']} x {row['seq_len']} | {row['row']} |"
-          f" {row['ms']:.3f} |")
+          f" {row['ms']:.3f} | {row['vs_first']:.2f} |")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
   return 0

@@ -23,7 +23,10 @@ def test_tiny_preset_rows_and_json(tmp_path, capsys):
       "masks, threefry (jax.random.bernoulli)", "conv layers fwd+bwd, batched einsum (ours)",
       "conv layers fwd+bwd, batched einsum, float32 taps",
       "conv layers fwd+bwd, grouped lax.conv, token-major"]
-  assert all(r["ms"] > 0 and r["preset"] == "lalte-tiny" for r in rows)
+  assert all(r["ms"] > 0 and r["vs_first"] > 0 and r["preset"] == "lalte-tiny" for r in rows)
+  # Each group's first row is its anchor.
+  assert [r["vs_first"] for r in rows if r["vs_first"] == 1.0] == [1.0, 1.0, 1.0]
+  assert [rows[i]["vs_first"] for i in (0, 3, 5)] == [1.0, 1.0, 1.0]
   assert "| lalte-tiny | 1 x 32 | masks, hashed (ours) |" in capsys.readouterr().out
 
 
