@@ -297,9 +297,8 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt
 
 def lower_generate(model, prompt_tokens, max_new_tokens: int, **options) -> jax.stages.Lowered:
   """The program `generate` runs for these arguments (the same as `generate`'s), lowered:
-  `.compile().as_text()` gives its HLO (tools/bench_serving.py's profile,
-  tests/lalte_jax/test_decode_in_place.py). One program serves every max_new_tokens of a bucket
-  (prompts.bucket_length)."""
+  `.compile().as_text()` gives its HLO (tools/bench_serving.py's profile). One program serves
+  every max_new_tokens of a bucket (prompts.bucket_length)."""
   args, kwargs = _generate_arguments(model, prompt_tokens, max_new_tokens, **options)
   return _generate_jit.lower(*args, **kwargs)
 

@@ -39,12 +39,6 @@ def seed_words(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def element_bits(token: jax.Array, unit: jax.Array, seed0: jax.Array, seed1: jax.Array
-                 ) -> jax.Array:
-  """uint32 bits of the elements (token, unit), broadcasting the two uint32 index arrays."""
-  return mix32((mix32(token ^ seed0) ^ seed1) + unit * GOLDEN)
-
-
 def keep_threshold(rate: float) -> np.uint32:
   """Bits below this are dropped: P(drop) = threshold / 2^32, within 2^-32 of `rate`."""
   if not 0.0 <= rate < 1.0:
@@ -74,4 +68,5 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float, *, layout: s
 
   token = index("B") * np.uint32(size["T"]) + index("T")
   unit = index("K") * np.uint32(size["C"]) + index("C")
-  return element_bits(token, unit, seed[0], seed[1]) >= keep_threshold(rate)
+  bits = mix32((mix32(token ^ seed[0]) ^ seed[1]) + unit * GOLDEN)
+  return bits >= keep_threshold(rate)

@@ -58,9 +58,8 @@ class LTERouter(nnx.Module):
     # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
     h_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then value dims
                            (2, 0, 1, 3))
-    mask_1BT1 = None if mask_BT is None else mask_BT[None, :, :, None].astype(dtype)
-    if mask_1BT1 is not None:
-      h_KBTC = h_KBTC * mask_1BT1
+    if mask_BT is not None:
+      h_KBTC = h_KBTC * mask_BT[None, :, :, None].astype(dtype)
     layer_keys = ([None] * len(self.conv_weights) if dropout_key is None else
                   list(jax.random.split(dropout_key, len(self.conv_weights))))
     for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,

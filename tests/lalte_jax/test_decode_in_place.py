@@ -23,7 +23,7 @@ from flax import nnx
 
 from lalte_jax import generate as gen
 from lalte_jax.config import get_model_config
-from lalte_jax.inference import caches, prompts, stack
+from lalte_jax.inference import caches, stack
 from lalte_jax.model import HybridLM
 
 FAMILIES = ["gdn", "gdn_swa", "gdn_attn", "lalte", "lansa"]
@@ -182,11 +182,12 @@ def compiled_generate_loop(variant: str, size: str, batch: int, prompt: int, new
   and the shapes of its cache: (HLO text, abstract cache)."""
   config = get_model_config(f"{variant}-{size}")
   model = HybridLM(config, rngs=nnx.Rngs(0))
-  text = gen.lower_generate(model, np.ones((batch, prompt), np.int32), new_tokens
-                            ).compile().as_text()
-  max_length = caches.check_cache_request(config, batch,
-                                          prompt + prompts.bucket_length(new_tokens), None)
-  return text, jax.eval_shape(lambda: caches.build_cache(config, batch, max_length, None))
+  # generate's own arguments, so the cache length is the one it chose, not a recomputation.
+  # pylint: disable=protected-access
+  args, options = gen._generate_arguments(model, np.ones((batch, prompt), np.int32), new_tokens)
+  text = gen._generate_jit.lower(*args, **options).compile().as_text()
+  return text, jax.eval_shape(
+      lambda: caches.build_cache(config, batch, options["max_length"], None))
 
 
 @pytest.mark.slow
