@@ -217,6 +217,8 @@ def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, 
     step, _, _, done_B, _ = carry
     return (step < max_new_tokens) & ~jnp.all(done_B[:rows])  # filler rows never hold it up
 
+  groups = stack.decode_groups(model)  # split here, so the loop reads them without copies
+
   def one_step(carry):
     step, logits_BV, cache, done_B, out_BN = carry
     token_B = sampling.sample_tokens(logits_BV, jax.random.fold_in(key, step), params)
@@ -224,7 +226,7 @@ def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, 
     out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, token_B[:, None], step, axis=1)
     done_B = done_B | jnp.any(token_B[:, None] == stop_S[None, :], axis=1)
     # The last iteration's decode is not needed; skipping it would cost a cond on every step.
-    logits_BV, cache = stack.decode_impl(model, token_B, cache)
+    logits_BV, cache = stack.decode_impl(model, token_B, cache, groups)
     return step + 1, logits_BV, cache, done_B, out_BN
 
   out_BN = jnp.full((batch, new_bucket), pad_id, jnp.int32)

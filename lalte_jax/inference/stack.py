@@ -14,9 +14,36 @@ from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import ModelCache, StepContext
 
 
-def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: str
-                ) -> tuple[jax.Array, tuple]:
+def decode_groups(model) -> tuple | None:
+  """Each layer group's parameters as arrays of their own, (graphdef, (state_0, ..., state_G-1)),
+  for decoding on a GPU; None elsewhere (the groups then run as a rolled `lax.scan`).
+
+  A decode step is bound by reading the weights. Sliced out of the stacked parameters by a
+  rolled loop, every group's weights are copied each step (one H100, lalte-1.4b B32 after 4K:
+  180 copies, 2.0 ms; 7.03 -> 5.87 ms a step with the groups unrolled). Unrolled, a step alone
+  reads each group's slice in place, but inside `generate`'s `while_loop` the slices of the
+  loop-carried parameters are copied again every step (H200, same shapes: 181 copies, 1.45 ms a
+  token), so `generate` splits the groups once, before its loop, and its steps read them as they
+  are (its memory grows by one copy of the groups' weights). XLA:CPU copies LTE cache leaves
+  when the groups are unrolled, so the CPU keeps the rolled loop.
+  """
+  return split_groups(model) if jax.default_backend() == "gpu" else None
+
+
+def split_groups(model) -> tuple:
+  """(graphdef, one state per layer group) of `model.groups`: the stacked parameters sliced."""
   graphdef, stacked_state = nnx.split(model.groups)
+  num_groups = jax.tree.leaves(stacked_state)[0].shape[0]
+  return graphdef, tuple(jax.tree.map(lambda x, g=g: x[g], stacked_state)
+                         for g in range(num_groups))
+
+
+def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: str,
+                groups: tuple | None = None) -> tuple[jax.Array, tuple]:
+  """The layer groups over the residual stream and the stacked caches; `groups`: the groups'
+  parameters split by `decode_groups` (run one after another), else a rolled scan over
+  `model.groups`."""
+  graphdef, stacked_state = groups if groups is not None else nnx.split(model.groups)
 
   # The stacked caches ride in the carry and each mixer reads and writes its group's part of them
   # by index (`group_slot`), so XLA updates the donated cache buffers in place. Mapping them as
@@ -33,17 +60,15 @@ def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: 
       new_caches.append(group_slot.stacked(view))
     return (h_BTD, tuple(new_caches)), None
 
+  if groups is not None:
+    carry = (h_BTD, caches)
+    for index, group_state in enumerate(stacked_state):
+      carry, _ = one_group(carry, (jnp.asarray(index, jnp.int32), group_state))
+    return carry
   num_groups = jax.tree.leaves(stacked_state)[0].shape[0]
-  # A decode step is bound by reading the weights. On a GPU the group loop is unrolled: each
-  # group's weights are then a constant slice that the matmul fusions read in place, where the
-  # rolled loop copies every group's weights out of the stacked parameters each step (one H100,
-  # lalte-1.4b B32 after 4K: 180 copies, 2.0 ms; step 7.03 -> 5.87 ms unrolled, no cache copied).
-  # XLA:CPU copies LTE cache leaves when the loop is unrolled, so it keeps the rolled loop; so
-  # does a prefill (bound by compute, and rolled it compiles once per group instead of G times).
-  unroll = num_groups if mode == "decode" and jax.default_backend() == "gpu" else 1
+  # A prefill is bound by compute, and rolled it compiles once instead of once per group.
   (h_BTD, caches), _ = jax.lax.scan(
-      one_group, (h_BTD, caches), (jnp.arange(num_groups, dtype=jnp.int32), stacked_state),
-      unroll=unroll)
+      one_group, (h_BTD, caches), (jnp.arange(num_groups, dtype=jnp.int32), stacked_state))
   return h_BTD, caches
 
 
@@ -63,10 +88,14 @@ def prefill_impl(model, tokens_BT: jax.Array, valid_BT: jax.Array, cache: ModelC
   return (logits if all_logits else logits[:, 0]), new_cache
 
 
-def decode_impl(model, token_B: jax.Array, cache: ModelCache) -> tuple[jax.Array, ModelCache]:
-  """One token per row at padded index `cache.position`; returns logits [B, V] and the cache."""
+def decode_impl(model, token_B: jax.Array, cache: ModelCache, groups: tuple | None = None
+                ) -> tuple[jax.Array, ModelCache]:
+  """One token per row at padded index `cache.position`; returns logits [B, V] and the cache.
+  `groups`: `decode_groups(model)` when the caller split them already (outside its loop)."""
   ctx = StepContext.for_token(cache)
   h_B1D = model.embed(token_B[:, None])
-  h_B1D, layers = _run_groups(model, h_B1D, cache.layers, ctx, "decode")
+  if groups is None:
+    groups = decode_groups(model)
+  h_B1D, layers = _run_groups(model, h_B1D, cache.layers, ctx, "decode", groups)
   logits_B1V = model.logits_from_hidden(h_B1D)
   return logits_B1V[:, 0], cache.replace(layers=layers, position=cache.position + 1)

@@ -8,8 +8,9 @@ group's slice of it, per token (`lalte_jax.inference.group_slot`, `pallas_kernel
   the kernels (with the group index), the kernels that write a cache alias it, and no group
   slice is cut out; in interpret mode on the CPU the steps give the "xla" steps' logits.
 - `generate`'s loop: the decode steps inside it make no cache-sized buffer either (on the CPU at
-  the tiny presets; compiled for the GPU at 0.4b shapes in a `gpu` test), so a token of
-  `generate` moves the bytes of a step sent alone.
+  the tiny presets; compiled for the GPU at 0.4b shapes in a `gpu` test), and with the layer
+  groups split before the loop (`stack.decode_groups`, the GPU's way) no buffer the size of a
+  weight either, so a token of `generate` moves the bytes of a step sent alone.
 """
 
 import dataclasses
@@ -49,6 +50,16 @@ def checked_leaves(cache) -> dict:
   return {jax.tree_util.keystr(path): tuple(leaf.shape)
           for path, leaf in jax.tree_util.tree_leaves_with_path(cache.layers)
           if leaf.ndim >= 4 and "conv" not in jax.tree_util.keystr(path)}
+
+
+def weight_shapes(model) -> dict:
+  """{shape: parameter path} of the weight matrices (2+ dims, 4096+ elements), stacked [G, ...]
+  and per group: a buffer of such a shape inside the decode loop is a copy of a weight."""
+  shapes = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    if leaf.ndim >= 2 and leaf.size >= 4096:
+      shapes[tuple(leaf.shape)] = shapes[tuple(leaf.shape[1:])] = jax.tree_util.keystr(path)
+  return shapes
 
 
 def leaf_shapes(cache) -> dict:
@@ -178,39 +189,77 @@ def test_xla_decode_step_makes_no_cache_sized_buffer(variant):
 
 
 def compiled_generate_loop(variant: str, size: str, batch: int, prompt: int, new_tokens: int):
-  """`generate`'s compiled program for a preset (the default implementations of the backend)
-  and the shapes of its cache: (HLO text, abstract cache)."""
+  """`generate`'s compiled program for a preset (the default implementations of the backend):
+  (HLO text, the computations of its decode loop, {shape: name} of its cache leaves and
+  weights)."""
   config = get_model_config(f"{variant}-{size}")
   model = HybridLM(config, rngs=nnx.Rngs(0))
   # generate's own arguments, so the cache length is the one it chose, not a recomputation.
   # pylint: disable=protected-access
   args, options = gen._generate_arguments(model, np.ones((batch, prompt), np.int32), new_tokens)
   text = gen._generate_jit.lower(*args, **options).compile().as_text()
-  return text, jax.eval_shape(
-      lambda: caches.build_cache(config, batch, options["max_length"], None))
+  cache = jax.eval_shape(lambda: caches.build_cache(config, batch, options["max_length"], None))
+  loop = loop_computations(text, gen.DECODE_LOOP_SCOPE)
+  assert len(loop) >= 2  # the loop's body and condition at least: the scope names it
+  return text, loop, leaf_shapes(cache), weight_shapes(model)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gdn_swa", "lalte"])
 def test_generate_decode_loop_makes_no_cache_sized_buffer(variant):
   """The steps inside `generate`'s loop update the cache in place as the step alone does."""
-  text, cache = compiled_generate_loop(variant, "tiny", BATCH, 64, 64)
-  loop = loop_computations(text, gen.DECODE_LOOP_SCOPE)
-  assert len(loop) >= 2  # the loop's body and condition at least: the scope names it
-  assert cache_sized_buffers(text, leaf_shapes(cache), loop) == []
+  text, loop, cache_shapes, _ = compiled_generate_loop(variant, "tiny", BATCH, 64, 64)
+  assert cache_sized_buffers(text, cache_shapes, loop) == []
   # The prefill before the loop (once per call) is left out: its group scan copies states on
   # the CPU, which the check would catch.
-  assert cache_sized_buffers(text, leaf_shapes(cache)) != []
+  assert cache_sized_buffers(text, cache_shapes) != []
+
+
+@pytest.fixture
+def fresh_traces():
+  """jax's trace caches emptied before and after: the test traces generate's shapes differently."""
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+@pytest.mark.slow
+def test_generate_with_split_groups_copies_no_weight_in_its_loop(monkeypatch, fresh_traces):
+  """The GPU's way (groups split before the loop), compiled on the CPU: no weight-sized buffer
+  in the loop, where the CPU's rolled group loop slices every weight out each step."""
+  text, loop, _, weights = compiled_generate_loop("gdn_swa", "tiny", BATCH, 64, 64)
+  assert cache_sized_buffers(text, weights, loop) != []  # the check sees the rolled loop's slices
+  monkeypatch.setattr(stack, "decode_groups", stack.split_groups)
+  jax.clear_caches()  # the trace of these shapes used the rolled loop
+  text, loop, cache_shapes, weights = compiled_generate_loop("gdn_swa", "tiny", BATCH, 64, 64)
+  assert cache_sized_buffers(text, weights, loop) == []
+  assert cache_sized_buffers(text, cache_shapes, loop) == []
+
+
+@pytest.mark.parametrize("variant", ["gdn_swa", "lalte"])
+def test_split_groups_decode_as_the_rolled_loop(variant):
+  """decode_impl over groups split by `split_groups` (one after another) gives the rolled scan's
+  logits and cache."""
+  model = HybridLM(get_model_config(f"{variant}-tiny"), rngs=nnx.Rngs(0))
+  cache = caches.build_cache(model.config, 2, 32, None)
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
+  _, cache = stack.prefill_impl(model, prompt, jnp.ones((2, 7), bool), cache, False)
+  token_B = jnp.asarray([3, 5], jnp.int32)
+  rolled = stack.decode_impl(model, token_B, cache, None)
+  split = stack.decode_impl(model, token_B, cache, stack.split_groups(model))
+  for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(rolled)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gdn_swa", "lalte"])
-def test_generate_decode_loop_on_the_gpu_makes_no_cache_sized_buffer(variant):
-  """The same at the 0.4b shapes, compiled for the GPU (Pallas kernels writing the cache)."""
-  text, cache = compiled_generate_loop(variant, "0.4b", 8, 256, 64)
-  loop = loop_computations(text, gen.DECODE_LOOP_SCOPE)
-  assert len(loop) >= 2
-  assert cache_sized_buffers(text, leaf_shapes(cache), loop) == []
+def test_generate_decode_loop_on_the_gpu_copies_no_cache_and_no_weight(variant):
+  """The same at the 0.4b shapes, compiled for the GPU (Pallas kernels writing the cache, the
+  groups split before the loop)."""
+  text, loop, cache_shapes, weights = compiled_generate_loop(variant, "0.4b", 8, 256, 64)
+  assert cache_sized_buffers(text, cache_shapes, loop) == []
+  assert cache_sized_buffers(text, weights, loop) == []
 
 
 def test_cache_sized_buffers_finds_a_group_slice():
