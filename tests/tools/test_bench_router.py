@@ -21,6 +21,7 @@ def test_tiny_preset_rows_and_json(tmp_path, capsys):
       "router fwd+bwd, dropout", "router fwd+bwd, no dropout",
       "router fwd+bwd, dropout, pre-activations saved", "masks, hashed (ours)",
       "masks, threefry (jax.random.bernoulli)", "conv layers fwd+bwd, batched einsum (ours)",
+      "conv layers fwd+bwd, shifted inputs in one matmul",
       "conv layers fwd+bwd, batched einsum, float32 taps",
       "conv layers fwd+bwd, grouped lax.conv, token-major"]
   assert all(r["ms"] > 0 and r["vs_first"] > 0 and r["preset"] == "lalte-tiny" for r in rows)
@@ -40,3 +41,16 @@ def test_the_compared_conv_forms_equal_the_router_conv():
   token_major = bench.lax_grouped_conv(jnp.transpose(h_KBTC, (1, 2, 0, 3)), weight_KICO, 2)
   np.testing.assert_allclose(np.asarray(jnp.transpose(token_major, (2, 0, 1, 3))), want,
                              atol=1e-4)
+
+
+def test_the_shifted_inputs_form_and_its_backward_equal_the_router_conv():
+  bench = load_tool("bench_router")
+  h_KBTC = jax.random.normal(jax.random.key(0), (3, 2, 37, 16))
+  weight_KICO = jax.random.normal(jax.random.key(1), (3, 3, 16, 8))
+  cotangent = jax.random.normal(jax.random.key(2), (3, 2, 37, 8))
+  grads = lambda conv: jax.grad(lambda h, w: jnp.sum(conv(h, w, 2) * cotangent), (0, 1))(
+      h_KBTC, weight_KICO)
+  np.testing.assert_allclose(np.asarray(bench.shifted_inputs_conv(h_KBTC, weight_KICO, 2)),
+                             np.asarray(grouped_conv_same(h_KBTC, weight_KICO, 2)), atol=1e-4)
+  for got, want in zip(grads(bench.shifted_inputs_conv), grads(grouped_conv_same)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
