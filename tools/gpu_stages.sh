@@ -34,7 +34,7 @@
 #   serving    prefill and decode of the 1.4b presets against the decode step's bytes bound
 #              (tools/bench_serving.py; SERVING_ARGS selects; ~5 min)
 #   genloop    generate's loop against pipelined decode steps: the GPU test that the loop copies no
-#              cache, and the loop's GPU time per token by op class (~7 min)
+#              cache and no weight, and the loop's GPU time per token by op class (~4 min)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
 #              and with XLA's default CUDA-graph size (~4 min)
@@ -255,8 +255,9 @@ case "$stage" in
     ;;
   genloop)
     # Where `generate`'s loop spends more per step than decode steps sent back to back: the GPU
-    # test that the loop, compiled for the GPU at 0.4b shapes, copies no cache, then the loop's
-    # GPU time per token by op class next to the pipelined steps (lalte-1.4b B32 after 4K).
+    # test that the loop, compiled for the GPU at 0.4b shapes, copies no cache or weight, then
+    # the loop's GPU time per token by op class next to the pipelined steps (lalte-1.4b B32
+    # after 4K).
     step 200 python3 -m pytest -q -m gpu tests/lalte_jax/test_decode_in_place.py -k generate \
       -p no:cacheprovider
     step 380 python3 tools/bench_serving.py --presets lalte-1.4b --batches 32 --prompts 4096 \
