@@ -13,12 +13,16 @@ Exit codes: 0 done (or stopped by a signal after saving), 2 bad input (a one-lin
 it: config file, field, value, path, flag; lalte_jax/cli_boundary.py), 3 stopped after too many
 non-finite-gradient steps, 4 no step finished within step_timeout_s (lalte_jax/train/watchdog.py).
 `--list-fields` prints every field a config may set (lalte_jax/train/config_fields.py).
+SIGUSR1 prints every thread's Python stack to stderr (for a process that seems stuck) and the
+run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import pathlib
+import signal
 import sys
 
 
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if args.config is None:
     parser.error("the following arguments are required: --config")
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
 
   from lalte_jax.train import distributed  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.config import load_config  # pylint: disable=import-outside-toplevel

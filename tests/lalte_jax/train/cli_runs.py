@@ -77,8 +77,8 @@ def wait(proc: subprocess.Popen, run_dir: pathlib.Path, timeout: float) -> int:
     pytest.fail(f"process {proc.pid} ran past {timeout} s; logs in {run_dir}")
 
 
-def log_tail(run_dir: pathlib.Path) -> str:
-  return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}"
+def log_tail(run_dir: pathlib.Path, chars: int = 3000) -> str:
+  return "\n".join(f"--- {path.name}\n{path.read_text()[-chars:]}"
                    for path in sorted(run_dir.glob("process*.log")))
 
 
