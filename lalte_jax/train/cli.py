@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if args.config is None:
     parser.error("the following arguments are required: --config")
-  faulthandler.register(signal.SIGUSR1, all_threads=True)
+  if sys.__stderr__ is not None:  # the process's own stderr, also when sys.stderr is replaced
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
   from lalte_jax.train import distributed  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.config import load_config  # pylint: disable=import-outside-toplevel
