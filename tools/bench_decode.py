@@ -75,16 +75,13 @@ def synthetic_layer_cache(kind: str, config, layer_cache, context: int, key: jax
     score = jax.random.uniform(key, layer_cache.score.shape, jnp.float32, -0.5, 0.5)
     slot = jnp.arange(window + cap)[None, None, :, None]
     half = cap // 2
-    in_ring = min(context, window)
-    # Ring: the last min(L, W) tokens (slots [W - c, W), ptr 0 as after a prefill); OOW: b/2 kept.
-    score = jnp.where(slot < window - in_ring, -jnp.inf, score)
-    score = jnp.where(slot >= window, jnp.where(slot < window + half, jnp.abs(score) + 1e-3,
-                                                -jnp.inf), score)
+    # Ring: the last min(L, W) tokens, token p in slot p mod W (slots beyond L blank when L <
+    # W, as after a prefill); OOW: b/2 kept.
+    score = jnp.where(slot >= min(context, window), jnp.where(
+        (slot >= window) & (slot < window + half), jnp.abs(score) + 1e-3, -jnp.inf), score)
     return layer_cache.replace(
         score=score,  # keys and values: init_cache's zeros
-        past_len=jnp.full_like(layer_cache.past_len, half if context > window else 0),
-        blank=jnp.full_like(layer_cache.blank, window - in_ring),
-        ptr=jnp.zeros_like(layer_cache.ptr), position=jnp.full_like(layer_cache.position, context))
+        past_len=jnp.full_like(layer_cache.past_len, half if context > window else 0))
   raise ValueError(f"bench_decode: no synthetic cache for {kind!r} layers")
 
 

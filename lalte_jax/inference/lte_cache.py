@@ -2,9 +2,11 @@
 
 Per LTE layer the cache holds W + b key/value slots per KV head (W = w + 1 window keys, b = cap):
 
-  slots [0, W)      a ring holding the W most recent tokens (the sliding window). The next token
-                    goes to slot `ptr`, which holds the oldest one; `blank[b]` ring slots starting
-                    at `ptr` hold no real token (never filled, or left padding of the prompt).
+  slots [0, W)      a ring holding the W most recent tokens (the sliding window): the token at
+                    padded position p sits in slot p mod W, so the next token goes to the slot
+                    of the oldest one; the ring's first `blank` slots from there hold no real
+                    token (never filled, or left padding of the prompt): W minus the real tokens
+                    seen, at least 0 (`ring_state`).
   slots [W, W + b)  the compacted out-of-window (OOW) set: tokens that left the window with a
                     router score > 0, sinks included (G11). Only the first `past_len[b, h]` are
                     valid; their order is irrelevant.
@@ -40,6 +42,10 @@ reproduces the training-time layer for every prompt length:
    replaces `margin` steps later, long before the slot can leave the window. So a ring score always belongs to the token in its slot,
    and +inf in the ring always means "sink".
 
+The ring's position and blanks follow from the step's padded position and each row's left pads
+(`caches.StepContext`), which are the same for every layer, so the cache holds no counters of its
+own: a step writes nothing but the slots it changes.
+
 Shapes: B batch, T tokens, Hq query heads, K (= Hkv) KV heads, D head dim, S = W + b cache slots,
 W ring slots. Everything is jittable with static shapes. This module holds the cache and its
 operations: `fill_from_prompt` on a layer group's arrays, the decode-step operations on its part
@@ -55,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from lalte_jax.config import LTEConfig
+from lalte_jax.inference import caches
 from lalte_jax.layers.rope import derope
 from pallas_kernels.lte_cache_ops import compact_top_scores, evict_and_insert
 
@@ -70,13 +77,19 @@ class LTECache:
   v: jax.Array  # [B, W + b, Hkv, D]
   score: jax.Array  # [B, W + b, Hkv] float32; sinks +inf, padded / never-filled -inf
   past_len: jax.Array  # [B, Hkv] int32: valid OOW entries
-  blank: jax.Array  # [B] int32: blank ring slots, contiguous from ptr
-  ptr: jax.Array  # [] int32: next ring slot (holds the oldest token)
-  position: jax.Array  # [] int32: absolute position t of the next token (pads included)
+
+
+def ring_state(lte: LTEConfig, position: jax.Array, pad_count_B: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+  """(ptr, blank_B) of the ring after `position` padded tokens (pads included), `pad_count_B` of
+  them left padding: the slot of the next token (it holds the oldest one) and each row's blank
+  slots, contiguous from ptr (mod W)."""
+  window_keys = lte.window_keys
+  return position % window_keys, jnp.maximum(window_keys - (position - pad_count_B), 0)
 
 
 def init_lte_cache(lte: LTEConfig, batch: int, dtype) -> LTECache:
-  """An empty cache: all ring slots blank, no OOW entry, next position 0.
+  """An empty cache: no OOW entry, ring scores -inf (at position 0 every ring slot is blank).
 
   Decoding straight from it (no prefill) is valid: the first `num_sinks` decoded tokens become
   sinks. `dtype` is the model's activation dtype (keys and values); scores are float32.
@@ -93,9 +106,6 @@ def init_lte_cache(lte: LTEConfig, batch: int, dtype) -> LTECache:
       v=jnp.zeros(kv_shape, dtype),
       score=jnp.full((batch, slots, lte.num_kv_heads), -jnp.inf, jnp.float32),
       past_len=jnp.zeros((batch, lte.num_kv_heads), jnp.int32),
-      blank=jnp.full((batch,), lte.window_keys, jnp.int32),
-      ptr=jnp.zeros((), jnp.int32),
-      position=jnp.zeros((), jnp.int32),
   )
 
 
@@ -120,20 +130,19 @@ def fill_from_prompt(cache: LTECache, lte: LTEConfig, k_BTKD: jax.Array, v_BTKD:
     real_BT: bool [B, L], True = real token, padding on the left.
 
   Returns:
-    the cache with position = L, and kept_BTK bool [B, L, K]: the tokens older than the window
-    that the out-of-window set holds (what each prompt query may see beyond its window, G24).
+    the cache after the prompt (its ring state: `ring_state` at position L), and kept_BTK bool
+    [B, L, K]: the tokens older than the window that the out-of-window set holds (what each
+    prompt query may see beyond its window, G24).
   """
   window_keys, cap = lte.window_keys, lte.cap
   batch, length = real_BT.shape
 
-  # Ring: the c most recent tokens at slots [W - c, W), chronological, so ptr = 0 is the oldest
-  # and the never-filled slots [0, W - c) are the blanks that precede the prompt's own padding.
+  # Ring: the last min(L, W) tokens, token p in slot p mod W; slots no token reached score -inf.
   in_ring = min(length, window_keys)
-  ring_pad = ((0, 0), (window_keys - in_ring, 0), (0, 0))
-  ring_k = jnp.pad(k_BTKD[:, length - in_ring:], ring_pad + ((0, 0),))
-  ring_v = jnp.pad(v_BTKD[:, length - in_ring:], ring_pad + ((0, 0),))
-  ring_score = jnp.pad(score_BTK[:, length - in_ring:], ring_pad, constant_values=-jnp.inf)
-  blank_B = window_keys - jnp.sum(real_BT[:, length - in_ring:], axis=1, dtype=jnp.int32)
+  ring_k, ring_v = (caches.ring_from_prompt(x_BTKD, window_keys) for x_BTKD in (k_BTKD, v_BTKD))
+  filled_S = jnp.arange(window_keys) < length
+  ring_score = jnp.where(filled_S[None, :, None],
+                         caches.ring_from_prompt(score_BTK, window_keys), -jnp.inf)
 
   num_candidates = length - in_ring
   if num_candidates > 0:
@@ -153,16 +162,15 @@ def fill_from_prompt(cache: LTECache, lte: LTEConfig, k_BTKD: jax.Array, v_BTKD:
       v=jnp.concatenate([ring_v, oow_v], axis=1),
       score=jnp.concatenate([ring_score, oow_score], axis=1).astype(jnp.float32),
       past_len=past_len_BK,
-      blank=blank_B,
-      ptr=jnp.zeros((), jnp.int32),
-      position=jnp.asarray(length, jnp.int32),
   )
   return new_cache, kept_BTK
 
 
-def score_settled_token(cache: LTECache, lte: LTEConfig, router) -> LTECache:
-  """§5.4, one token per step: after `insert_token` wrote token t, the token t - margin has all
-  the right context its router score needs; score it over ring tokens t - 2 margin .. t.
+def score_settled_token(cache: LTECache, lte: LTEConfig, router, position: jax.Array,
+                        pad_count_B: jax.Array) -> LTECache:
+  """§5.4, one token per step: after `insert_token` wrote token t (so `position` = t + 1), the
+  token t - margin has all the right context its router score needs; score it over ring tokens
+  t - 2 margin .. t.
 
   The router's receptive field is +-margin tokens, so this is the score the router gives that
   token over the whole sequence, the score the reference's lazy rescoring of the whole ring
@@ -177,7 +185,7 @@ def score_settled_token(cache: LTECache, lte: LTEConfig, router) -> LTECache:
     return cache
   window_keys, span = lte.window_keys, 2 * margin + 1
   batch = cache.k.shape[0]
-  ptr, position, blank_B = cache.ptr.read(), cache.position.read(), cache.blank.read()
+  ptr, blank_B = ring_state(lte, position, pad_count_B)
   # Chronological index c (0 = oldest) is slot (ptr + c) % W and holds position
   # position - W + c; the last `span` of them are t - 2 margin .. t.
   chrono_S = jnp.arange(window_keys - span, window_keys, dtype=jnp.int32)
@@ -187,24 +195,28 @@ def score_settled_token(cache: LTECache, lte: LTEConfig, router) -> LTECache:
   k_pre_BSKD = derope(cache.k.take((rows_B1, slot_S[None])), positions_BS, lte.rope_theta)
   real_BS = chrono_S[None, :] >= blank_B[:, None]
   fresh_BK = router(k_pre_BSKD, cache.v.take((rows_B1, slot_S[None])), mask_BT=real_BS)[:, margin]
-  settled = slot_S[margin]
-  old_BK = cache.score.take((slice(None), settled))
-  keep_old_BK = (old_BK == jnp.inf) | ~real_BS[:, margin, None]
-  return cache.replace(score=cache.score.write(
-      jnp.where(keep_old_BK, old_BK, fresh_BK)[:, None], start=(0, settled)))
+  # The settled token's score follows without reading the old one: +inf for a sink (one of the
+  # row's first num_sinks real tokens), -inf for a blank, else the fresh score. (A read of the
+  # slot would also let XLA move it before the insert's write, which touches another slot, and
+  # then copy the whole stacked score buffer to keep both.)
+  real_B = real_BS[:, margin]
+  sink_B = real_B & (position - 1 - margin - pad_count_B < lte.num_sinks)
+  settled_BK = jnp.where(sink_B[:, None], jnp.inf, jnp.where(real_B[:, None], fresh_BK, -jnp.inf))
+  return cache.replace(score=cache.score.write(settled_BK[:, None], start=(0, slot_S[margin])))
 
 
 def insert_token(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax.Array,
-                 score_B1K: jax.Array) -> LTECache:
-  """§5.3 step 3: move the ring's oldest token (slot ptr) into the OOW set if it qualifies, write
-  the new token into slot ptr and advance. `cache` holds `GroupSlot` leaves.
+                 score_B1K: jax.Array, position: jax.Array, pad_count_B: jax.Array) -> LTECache:
+  """§5.3 step 3, for the token at padded position `position`: move the ring's oldest token
+  (slot ptr) into the OOW set if it qualifies and write the new token into slot ptr. `cache`
+  holds `GroupSlot` leaves.
 
   Score > 0: append while past_len < b, else replace the OOW minimum when that is smaller than
   the leaving score (otherwise drop it). Blank slots have score -inf and are dropped. The data
   movement is the fused `evict_and_insert` op, in place in the stacked cache.
   """
   window_keys = lte.window_keys
-  blank_B, ptr = cache.blank.read(), cache.ptr.read()
+  ptr, blank_B = ring_state(lte, position, pad_count_B)
   # While blanks remain, every real token seen so far is still in the ring, so the new token's
   # index among the row's real tokens is W - blank (G14 fix: sinks decoded after the prompt).
   real_index_B = window_keys - blank_B
@@ -216,18 +228,16 @@ def insert_token(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax
       v_B1KD[:, 0].astype(cache.v.dtype), score_BK, window_keys=window_keys,
       group=cache.k.group, implementation=lte.implementation)
   k, v, score, past_len = (slot.replace(stacked=x) for slot, x in zip(slots, moved))
-  return cache.replace(
-      k=k, v=v, score=score, past_len=past_len,
-      blank=cache.blank.write(jnp.maximum(blank_B - 1, 0)),
-      ptr=cache.ptr.write((ptr + 1) % window_keys),
-      position=cache.position.write(cache.position.read() + 1))
+  return cache.replace(k=k, v=v, score=score, past_len=past_len)
 
 
-def visible_slots(cache: LTECache, lte: LTEConfig) -> jax.Array:
-  """bool [B, W + b]: ring slots except the blanks [ptr, ptr + blank) (mod W); OOW slots True.
-  `cache` holds `GroupSlot` leaves."""
+def visible_slots(cache: LTECache, lte: LTEConfig, position: jax.Array, pad_count_B: jax.Array
+                  ) -> jax.Array:
+  """bool [B, W + b]: ring slots except the blanks [ptr, ptr + blank) (mod W) of the ring after
+  `position` padded tokens; OOW slots True. `cache` holds `GroupSlot` leaves."""
   window_keys = lte.window_keys
+  ptr, blank_B = ring_state(lte, position, pad_count_B)
   slot_S = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
   # Distance from ptr around the ring: the blanks are the first `blank` slots from ptr.
-  from_ptr_S = jnp.mod(slot_S - cache.ptr.read(), window_keys)
-  return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= cache.blank.read()[:, None])
+  from_ptr_S = jnp.mod(slot_S - ptr, window_keys)
+  return (slot_S >= window_keys)[None, :] | (from_ptr_S[None, :] >= blank_B[:, None])

@@ -141,7 +141,7 @@ class LTEAttention(nnx.Module):
 
   def prefill(self, x_BTD: jax.Array, cache: LTECache, ctx: StepContext
               ) -> tuple[jax.Array, LTECache]:
-    """The layer over a left-padded prompt and the filled cache, position = L (§5.2).
+    """The layer over a left-padded prompt and the filled cache (§5.2).
 
     Each prompt query attends to its window (w + 1 keys, padding excluded) plus the kept OOW set
     *at the end of the prompt* restricted to keys at least W older (§5.2 step 6, G24); below the
@@ -169,14 +169,13 @@ class LTEAttention(nnx.Module):
 
   def decode(self, x_B1D: jax.Array, cache: LTECache, ctx: StepContext
              ) -> tuple[jax.Array, LTECache]:
-    """One new (real) token per row at position t = cache.position (§5.3), from a prefilled
-    cache or an empty one (`init_lte_cache`), on the layer group's part of the stacked cache
-    (`GroupSlot` leaves, updated in place). The cache keeps its shapes and dtypes."""
-    del ctx  # the LTE cache tracks its own padded-tensor position (§5.5)
+    """One new (real) token per row at padded position t = ctx.position (§5.3, §5.5), from a
+    prefilled cache or an empty one (`init_lte_cache`), on the layer group's part of the stacked
+    cache (`GroupSlot` leaves, updated in place). The cache keeps its shapes and dtypes."""
     lte = self.config
     batch = x_B1D.shape[0]
     q_B1HD, k_pre_B1KD, v_B1KD = self.proj.qkv(x_B1D)
-    positions_B1 = jnp.broadcast_to(cache.position.read(), (batch, 1))
+    positions_B1 = jnp.broadcast_to(ctx.position, (batch, 1))
     q_B1HD = apply_rope(q_B1HD, positions_B1, lte.rope_theta)
     k_B1KD = apply_rope(k_pre_B1KD, positions_B1, lte.rope_theta)
 
@@ -186,9 +185,11 @@ class LTEAttention(nnx.Module):
     else:
       new_score_B1K = jnp.full((batch, 1, lte.num_kv_heads), lte_cache.PROVISIONAL_SCORE,
                                jnp.float32)
-    cache = lte_cache.insert_token(cache, lte, k_B1KD, v_B1KD, new_score_B1K)
+    cache = lte_cache.insert_token(cache, lte, k_B1KD, v_B1KD, new_score_B1K, ctx.position,
+                                   ctx.pad_count_B)
     # Token t - margin now has its right context: its final score (§5.4).
-    cache = lte_cache.score_settled_token(cache, lte, self.router)
+    seen = ctx.position + 1
+    cache = lte_cache.score_settled_token(cache, lte, self.router, seen, ctx.pad_count_B)
 
     # The new token is in the ring now, so the window is keys t-w..t; everything cached is in the
     # past, so no causal mask is needed. Visible: the ring minus its blanks, and OOW slots below
@@ -196,6 +197,6 @@ class LTEAttention(nnx.Module):
     o_BHD = decode_attention(
         q_B1HD[:, 0], cache.k.stacked, cache.v.stacked, scale=lte.head_dim ** -0.5,
         length_BK=lte.window_keys + cache.past_len.read(),
-        key_valid=lte_cache.visible_slots(cache, lte), group=cache.k.group,
-        implementation=lte.implementation)
+        key_valid=lte_cache.visible_slots(cache, lte, seen, ctx.pad_count_B),
+        group=cache.k.group, implementation=lte.implementation)
     return self.proj.output(o_BHD[:, None].astype(q_B1HD.dtype)), cache

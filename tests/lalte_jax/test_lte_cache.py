@@ -15,6 +15,7 @@ from flax import nnx
 from lalte_jax.config import get_model_config
 from lalte_jax.inference.caches import StepContext
 from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
+from lalte_jax.inference import lte_cache
 from lalte_jax.inference.lte_cache import LTECache, init_lte_cache
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.lte import LTEAttention
@@ -47,48 +48,66 @@ def prompt_context(x_BTD, mask_BT):
   return StepContext.for_prompt(jnp.ones(x_BTD.shape[:2], bool) if mask_BT is None else mask_BT)
 
 
-def token_context(cache):
-  """A decode context; the LTE layer reads its position from its own cache (§5.5)."""
-  batch = cache.blank.shape[0]
-  return StepContext(valid_BT=jnp.ones((batch, 1), bool),
-                     pad_count_B=jnp.zeros((batch,), jnp.int32), position=cache.position)
+def token_context(position, pad_count_B):
+  """A decode context: the token's padded position and each row's left pads."""
+  return StepContext(valid_BT=jnp.ones((pad_count_B.shape[0], 1), bool), pad_count_B=pad_count_B,
+                     position=jnp.asarray(position, jnp.int32))
 
 
 class Runner:
-  """Jitted prefill / decode bound to one layer (split once, merged inside jit)."""
+  """Jitted prefill / decode bound to one layer (split once, merged inside jit). It tracks where
+  the sequence is (`position`, `pad_count_B`), which a model keeps in its `ModelCache`."""
 
   def __init__(self, layer):
     graphdef, self.state = nnx.split(layer)
     self.lte = layer.config
+    self.position, self.pad_count_B = 0, None
     merge = lambda state: nnx.merge(graphdef, state)
     self._prefill = jax.jit(lambda s, x, m, c: merge(s).prefill(x, c, prompt_context(x, m)))
     # Decoding runs on a layer group's part of a stacked cache: here a stack of one.
-    def decode(state, x_B1D, cache):
-      out_B1D, view = merge(state).decode(x_B1D, view_of_plain(cache), token_context(cache))
+    def decode(state, x_B1D, cache, position, pad_count_B):
+      out_B1D, view = merge(state).decode(x_B1D, view_of_plain(cache),
+                                          token_context(position, pad_count_B))
       return out_B1D, plain_of_view(view)
 
     self._decode = jax.jit(decode)
 
-    def decode_many(state, x_BND, cache):
-      def step(cache, x_BD):
-        out_B1D, cache = decode(state, x_BD[:, None], cache)
-        return cache, out_B1D[:, 0]
-      cache, out_NBD = jax.lax.scan(step, cache, jnp.swapaxes(x_BND, 0, 1))
+    def decode_many(state, x_BND, cache, position, pad_count_B):
+      def step(carry, x_BD):
+        cache, position = carry
+        out_B1D, cache = decode(state, x_BD[:, None], cache, position, pad_count_B)
+        return (cache, position + 1), out_B1D[:, 0]
+      (cache, _), out_NBD = jax.lax.scan(step, (cache, position), jnp.swapaxes(x_BND, 0, 1))
       return jnp.swapaxes(out_NBD, 0, 1), cache
     self._decode_many = jax.jit(decode_many)
 
+  def start(self, batch):
+    """A new sequence: position 0, no pads (an empty cache)."""
+    self.position, self.pad_count_B = 0, jnp.zeros((batch,), jnp.int32)
+
   def prefill(self, x, mask, cache):
+    self.position = x.shape[1]
+    self.pad_count_B = prompt_context(x, mask).pad_count_B
     return self._prefill(self.state, x, mask, cache)
 
   def decode(self, x, cache):
-    return self._decode(self.state, x, cache)
+    out = self._decode(self.state, x, cache, self.position, self.pad_count_B)
+    self.position += 1
+    return out
 
   def decode_many(self, x, cache):
-    return self._decode_many(self.state, x, cache)
+    out = self._decode_many(self.state, x, cache, self.position, self.pad_count_B)
+    self.position += x.shape[1]
+    return out
+
+  def ring_state(self):
+    """(ptr, blank_B) of the ring now."""
+    return lte_cache.ring_state(self.lte, jnp.asarray(self.position), self.pad_count_B)
 
   def run(self, x_BTD, prefix, mask_BT=None):
     """Prefill x[:, :prefix] (skipped when 0), decode the rest in one scan; all outputs [B,T,D]."""
     cache = init_lte_cache(self.lte, x_BTD.shape[0], x_BTD.dtype)
+    self.start(x_BTD.shape[0])
     outs = []
     if prefix:
       out, cache = self.prefill(x_BTD[:, :prefix], mask_BT, cache)
@@ -232,7 +251,7 @@ def test_kept_set_beyond_the_cap_matches_brute_force_simulation(prefix):
         got = position[b, W:W + past_len[b, h], h]
         assert len(set(got)) == len(got) and set(got) == kept_sets[b][h], (t_next, b, h)
         assert set(position[b, :W, h][ring_valid[b, :, h]]) == window, (t_next, b, h)
-        assert int(np.sum(ring_valid[b, :, h])) == W - int(cache.blank[b])
+        assert int(np.sum(ring_valid[b, :, h])) == W - int(runner.ring_state()[1][b])
 
   def visible(kept_sets, t):
     mask = np.zeros((batch, lte.num_kv_heads, length), bool)
@@ -244,6 +263,7 @@ def test_kept_set_beyond_the_cap_matches_brute_force_simulation(prefix):
     return mask
 
   cache = init_lte_cache(lte, batch, jnp.float32)
+  runner.start(batch)
   mask = jnp.asarray(real[:, :prefix])
   if prefix:
     out, cache = runner.prefill(x[:, :prefix], mask, cache)
@@ -284,7 +304,7 @@ def test_every_token_leaves_the_window_with_its_full_context_score(prefix, pads)
   cache = init_lte_cache(lte, batch, jnp.float32)
   _, cache = runner.prefill(x[:, :prefix], jnp.asarray(real[:, :prefix]), cache)
   for t in range(prefix, length):
-    leaving = np.asarray(cache.score[:, int(cache.ptr)])  # [B, K]
+    leaving = np.asarray(cache.score[:, int(runner.ring_state()[0])])  # [B, K]
     expected = full_score[:, t - W] if t >= W else np.full_like(leaving, -np.inf)
     np.testing.assert_allclose(leaving, expected, rtol=1e-5, atol=1e-6, err_msg=f"t={t}")
     _, cache = runner.decode(x[:, t:t + 1], cache)
@@ -305,6 +325,7 @@ def test_cache_shapes_are_constant_over_twenty_windows_of_decoding(dtype):
   set_keep_fraction(layer, x[:, :200].astype(jnp.float32), 0.5)
   runner = Runner(layer)
   empty = init_lte_cache(lte, 2, x.dtype)
+  runner.start(2)
   _, prefilled = runner.prefill(x[:, :30], None, empty)
   out, cache = runner.decode_many(x[:, 30:], prefilled)
 
@@ -314,7 +335,7 @@ def test_cache_shapes_are_constant_over_twenty_windows_of_decoding(dtype):
   assert cache.k.dtype == x.dtype and cache.score.dtype == jnp.float32
   assert cache.k.shape == (2, lte.window_keys + lte.cap, lte.num_kv_heads, lte.head_dim)
   assert out.shape == (2, steps, config.hidden_size) and bool(jnp.all(jnp.isfinite(out)))
-  assert int(cache.position) == 30 + steps
+  assert runner.position == 30 + steps
   assert np.all(np.asarray(cache.past_len) == lte.cap)  # the cap binds and holds
   assert isinstance(cache, LTECache)
 
