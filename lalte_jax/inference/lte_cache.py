@@ -88,6 +88,13 @@ def ring_state(lte: LTEConfig, position: jax.Array, pad_count_B: jax.Array
   return position % window_keys, jnp.maximum(window_keys - (position - pad_count_B), 0)
 
 
+def is_sink(lte: LTEConfig, position: jax.Array, pad_count_B: jax.Array) -> jax.Array:
+  """bool [B]: whether the real token at padded position `position` is one of its row's first
+  `num_sinks` real tokens (after `pad_count_B` left pads), as the prefill marks them (G14 fix:
+  also for sinks decoded after the prompt)."""
+  return position - pad_count_B < lte.num_sinks
+
+
 def init_lte_cache(lte: LTEConfig, batch: int, dtype) -> LTECache:
   """An empty cache: no OOW entry, ring scores -inf (at position 0 every ring slot is blank).
 
@@ -200,7 +207,7 @@ def score_settled_token(cache: LTECache, lte: LTEConfig, router, position: jax.A
   # slot would also let XLA move it before the insert's write, which touches another slot, and
   # then copy the whole stacked score buffer to keep both.)
   real_B = real_BS[:, margin]
-  sink_B = real_B & (position - 1 - margin - pad_count_B < lte.num_sinks)
+  sink_B = real_B & is_sink(lte, position - 1 - margin, pad_count_B)
   settled_BK = jnp.where(sink_B[:, None], jnp.inf, jnp.where(real_B[:, None], fresh_BK, -jnp.inf))
   return cache.replace(score=cache.score.write(settled_BK[:, None], start=(0, slot_S[margin])))
 
@@ -216,11 +223,8 @@ def insert_token(cache: LTECache, lte: LTEConfig, k_B1KD: jax.Array, v_B1KD: jax
   movement is the fused `evict_and_insert` op, in place in the stacked cache.
   """
   window_keys = lte.window_keys
-  ptr, blank_B = ring_state(lte, position, pad_count_B)
-  # While blanks remain, every real token seen so far is still in the ring, so the new token's
-  # index among the row's real tokens is W - blank (G14 fix: sinks decoded after the prompt).
-  real_index_B = window_keys - blank_B
-  sink_B = (blank_B > 0) & (real_index_B < lte.num_sinks)
+  ptr, _ = ring_state(lte, position, pad_count_B)
+  sink_B = is_sink(lte, position, pad_count_B)
   score_BK = jnp.where(sink_B[:, None], jnp.inf, score_B1K[:, 0].astype(jnp.float32))
   slots = (cache.k, cache.v, cache.score, cache.past_len)
   moved = evict_and_insert(

@@ -52,22 +52,26 @@ def checked_leaves(cache) -> dict:
           if leaf.ndim >= 4 and "conv" not in jax.tree_util.keystr(path)}
 
 
+def _by_shape(shapes_by_name: dict) -> dict:
+  """{shape: name} for each named stacked shape [G, ...] and its per-group shape [...]."""
+  shapes = {}
+  for name, shape in shapes_by_name.items():
+    shapes[shape] = shapes[shape[1:]] = name
+  return shapes
+
+
 def weight_shapes(model) -> dict:
   """{shape: parameter path} of the weight matrices (2+ dims, 4096+ elements), stacked [G, ...]
   and per group: a buffer of such a shape inside the decode loop is a copy of a weight."""
-  shapes = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-    if leaf.ndim >= 2 and leaf.size >= 4096:
-      shapes[tuple(leaf.shape)] = shapes[tuple(leaf.shape[1:])] = jax.tree_util.keystr(path)
-  return shapes
+  return _by_shape({jax.tree_util.keystr(path): tuple(leaf.shape)
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(
+                        nnx.state(model, nnx.Param))
+                    if leaf.ndim >= 2 and leaf.size >= 4096})
 
 
 def leaf_shapes(cache) -> dict:
   """{shape: leaf path} of the checked leaves, stacked [G, ...] and per group."""
-  shapes = {}
-  for name, shape in checked_leaves(cache).items():
-    shapes[shape] = shapes[shape[1:]] = name
-  return shapes
+  return _by_shape(checked_leaves(cache))
 
 
 # --- the compiled "xla" step ------------------------------------------------------------------
