@@ -35,9 +35,14 @@ __all__ = ["RecurrentConfig", "fused_recurrent_gated_delta_rule_pallas"]
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
-  """block_v: state columns per program; num_warps, num_stages: Triton launch parameters."""
+  """block_v: state columns per program; num_warps, num_stages: Triton launch parameters.
+
+  The defaults were the fastest of block_v 16-128 x 1-8 warps for the decode step of lalte-1.4b
+  (B32, H8, K = V = 256, one H200, `tools/bench_gdn_decode.py --sweep`): 0.76 of the copy
+  bandwidth against 0.71 at 4 warps and 0.65 at block_v 64; one warp spills the 32-column tile.
+  """
   block_v: int = 32
-  num_warps: int = 4
+  num_warps: int = 2
   num_stages: int = 1
 
   def __post_init__(self):
