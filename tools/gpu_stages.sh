@@ -37,7 +37,8 @@
 #              cache and no weight, and the loop's GPU time per token by op class (~4 min)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
-#              and with XLA's default CUDA-graph size (~4 min)
+#              and with XLA's default CUDA-graph size, then the GDN recurrent step's launch
+#              parameters against the copy (tools/bench_gdn_decode.py --sweep) (~6 min)
 #   nsadecode  NSA decoding: the decode kernels' GPU parity tests, the decode attention's timings
 #              at 4K-64K (tools/bench_nsa.py) and the lansa-1.4b decode step at 4K and 64K (~5 min)
 #   nsatrain   NSA training: the NSA GPU parity tests, our kernels per launch-parameter candidate
@@ -225,6 +226,9 @@ case "$stage" in
         --compiler-option xla_gpu_graph_min_graph_size=5 \
         --json "$dest/decode_b${batch}_graphs5.json"
     done
+    # The GDN layer's recurrent step alone against the copy, over its launch parameters.
+    step 120 python3 tools/bench_gdn_decode.py --presets lalte-1.4b --sweep \
+      --json "$dest/gdn_decode.json"
     ;;
   nsadecode)
     step 200 python3 -m pytest -q -m gpu tests/pallas_kernels/test_nsa_pallas.py -k decode \
