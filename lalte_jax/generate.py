@@ -60,7 +60,7 @@ def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits):
 # row by default. A decode step is ~700 small kernels and bound by their launches, so every run of
 # them, however short, goes into a graph: lalte-1.4b at batch 32 after a 4K prompt, bf16 weights,
 # one H100 (2026-11-26): 6.41 -> 5.17 ms a step, the same program measured in the same run with
-# and without the option (docs/benchmarks.md §4). Other backends ignore it.
+# and without the option (docs/benchmarks.md, History). Other backends ignore it.
 DECODE_COMPILER_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
 
 
@@ -193,7 +193,7 @@ MIN_DECODE_ROWS = 2
 # The name scope of generate's decode loop (tests find the loop's computations by it). The loop
 # runs one decode step per iteration and checks its stop condition after each; eight steps per
 # iteration (a fixed-count inner loop) measured no faster: one H200, 2026-11-29, lalte-1.4b B32
-# after a 4K prompt, 4.30 ms a step either way (docs/benchmarks.md §4).
+# after a 4K prompt, 4.30 ms a step either way (docs/benchmarks.md, History).
 DECODE_LOOP_SCOPE = "decode_loop"
 
 

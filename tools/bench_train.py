@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            " (up to the first that runs out of memory) and the fastest marked")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
   # "attention" measured fastest at the 0.4b presets (H200, 2026-11-28: lansa +8%, gdn_swa +2%
-  # against "block", 0.4-1.1 GiB more memory; docs/benchmarks.md section 5).
+  # against "block", 0.4-1.1 GiB more memory; docs/benchmarks.md, History).
   parser.add_argument("--remat", default="attention", choices=REMAT_POLICIES)
   parser.add_argument("--lte_kept_fraction", type=float, default=None,
                       help="shift the LTE routers' output biases so that this fraction of the"
