@@ -3,9 +3,11 @@
 Data is generated on the fly from (index, seed) by `lalte_jax.data.MQARSource`; nothing to
 download. 4 key-value pairs in 32 tokens, then queries; the model must answer each query with the
 value bound to its key (values drawn from 128 ids: chance < 1%).
-Measured (2026-11-28, jax 0.10.2, 2-core CPU, seeds 42, 1, 2): held-out recall 0.864, 0.934,
-0.914 after 400 steps (2026-11-26, before the GDN layers' chunks shrank to T = 32: 0.885, 0.927,
-0.928 and 0.892 for seed 3); the loss leaves its plateau near 3.9 between steps 120 and 220.
+Measured (2026-11-29, jax 0.10.2, 2-core CPU, seeds 42, 1, 2): held-out recall 0.908, 0.894,
+0.890 after 400 steps, 113-128 s each (2026-11-28, with the router's dropout masks still drawn
+by threefry, another random stream: 0.864, 0.934, 0.914; 2026-11-26, before the GDN layers'
+chunks shrank to T = 32: 0.885, 0.927, 0.928 and 0.892 for seed 3); the loss leaves its plateau
+near 3.9 between steps 120 and 220.
 Why these settings: float32 compute (faster than bfloat16 on a CPU), 64 x 32 tokens per step,
 lr 6e-3, and clipping only above a gradient norm of 100 (the norm reaches 11-27 while the loss
 leaves its plateau; with the pretraining setting, clipping at 1.0, and lr 8e-3 one seed of three
