@@ -68,6 +68,8 @@ def looped_steps(token, state, config: RecurrentConfig, rounds: int) -> Timed:
     return jax.lax.fori_loop(0, rounds * layers, one_step, (state, o0))
 
   run = jax.jit(run, donate_argnums=0)
+  # Each call donates the state it is given, so the next call must get the state just returned:
+  # Timed passes the same arguments every time, so the state lives here instead.
   holder = {"state": state}
 
   def call(q):
