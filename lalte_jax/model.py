@@ -27,8 +27,7 @@ from flax import nnx
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import StepContext
-from lalte_jax.layers import initializers
-from pallas_kernels.lte_router import reference as router_reference
+from lalte_jax.layers import initializers, router_conv
 from lalte_jax.layers.mlp import SwiGLU
 from lalte_jax.layers.norms import RMSNorm
 from lalte_jax.mixers.attention import Attention
@@ -57,12 +56,12 @@ class ModelAux:
 # "attention" keeps the attention kernels' outputs (output and logsumexp, which their backward
 # kernels read), so the backward pass does not run the forward kernels again: the costliest part
 # of a group's recompute (laNSA's selected branch above all); and the LTE router's conv
-# pre-activations, so its backward recomputes no convolution (pallas_kernels/lte_router/reference.py).
+# pre-activations, so its backward recomputes no convolution (lalte_jax/layers/router_conv.py).
 REMAT_CHECKPOINT_POLICIES = {
     "block": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "attention": jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT,
-                                                               router_reference.PRE_ACTIVATION),
+                                                               router_conv.PRE_ACTIVATION),
 }
 
 

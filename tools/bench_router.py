@@ -15,9 +15,6 @@ absolute times of these sub-millisecond calls moved by 15% between machines, 202
 - `router fwd+bwd, dropout, pre-activations saved`: the first row with the conv layers'
   pre-activations kept by the checkpoint (`router_conv.PRE_ACTIVATION`, as the remat policy
   "attention" keeps them), so the backward recomputes no convolution;
-- `router fwd+bwd, [no] dropout, Pallas kernels`: the router's "pallas" version (one forward and
-  one backward kernel, pallas_kernels/lte_router/pallas.py), its scores kept by the checkpoint as
-  the remat policy "attention" keeps them;
 - `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
   one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
   (lalte_jax/layers/counter_hash.py) against JAX's standard Bernoulli draw;
@@ -35,7 +32,6 @@ Prints one JSON line per row and a markdown table; `--json PATH` writes them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import pathlib
@@ -51,14 +47,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.lte_router import reference as router_conv
-from pallas_kernels import counter_hash
-from pallas_kernels.lte_router.reference import grouped_conv_same
+from lalte_jax.layers import counter_hash, router_conv
+from lalte_jax.layers.router_conv import grouped_conv_same
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
 from lalte_jax.presets import get_model_config
-from pallas_kernels.lte_router import kernels_apply
 from pallas_kernels.benchmarking import Timed, paired_ms
-from pallas_kernels.pallas_common import KERNEL_OUTPUT
 
 
 def hashed_dropout(x_KBTC, rate, key):
@@ -158,31 +151,20 @@ def paired_group(preset: str, group: list[tuple[str, Timed]], repeats: int) -> l
 
 def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dict]:
   lte = get_model_config(preset).lte
-  routers = {name: nnx.split(LTERouter(dataclasses.replace(lte, implementation=name),
-                                       rngs=nnx.Rngs(0)))
-             for name in ("xla", "pallas")}
-  router = nnx.merge(*routers["xla"])
+  router = LTERouter(lte, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(router)
   kv_key, dropout_key = jax.random.split(jax.random.key(0))
   shape = (batch, seq_len, lte.num_kv_heads, lte.head_dim)
   k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(kv_key))
 
   rows, group = [], []
-  # As remat "attention" keeps them: the XLA version's conv pre-activations, the kernels' scores.
   save_pre_activations = jax.checkpoint_policies.save_only_these_names(router_conv.PRE_ACTIVATION)
-  save_kernel_scores = jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT)
-  for name, key, policy, implementation in (
-      ("router fwd+bwd, dropout", dropout_key, None, "xla"),
-      ("router fwd+bwd, no dropout", None, None, "xla"),
-      ("router fwd+bwd, dropout, pre-activations saved", dropout_key, save_pre_activations, "xla"),
-      ("router fwd+bwd, dropout, Pallas kernels", dropout_key, save_kernel_scores, "pallas"),
-      ("router fwd+bwd, no dropout, Pallas kernels", None, save_kernel_scores, "pallas")):
-    graphdef, params = routers[implementation]
-    if implementation == "pallas" and not kernels_apply(
-        [w[...] for w in router.conv_weights], lte.router_dilations):
-      continue  # widths the kernels do not tile (tiny presets)
-
-    def score_sum(params, k, v, key=key, graphdef=graphdef):
+  for name, key, policy in (("router fwd+bwd, dropout", dropout_key, None),
+                            ("router fwd+bwd, no dropout", None, None),
+                            ("router fwd+bwd, dropout, pre-activations saved", dropout_key,
+                             save_pre_activations)):
+    def score_sum(params, k, v, key=key):
       return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
     grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
     group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))

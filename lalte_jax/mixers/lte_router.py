@@ -19,9 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import LTEConfig
-from lalte_jax.layers import initializers
-from pallas_kernels import counter_hash
-from pallas_kernels.lte_router import kernels_apply, lte_router_scores
+from lalte_jax.layers import counter_hash, initializers, router_conv
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
@@ -56,18 +54,19 @@ class LTERouter(nnx.Module):
     padded positions, the same as zero padding there. `dropout_key` turns dropout on (training).
     """
     lte = self.config
-    seeds_L2 = None
-    if dropout_key is not None:
-      seeds_L2 = jnp.stack([counter_hash.seed_words(key) for key in
-                            jax.random.split(dropout_key, len(self.conv_weights))])
-    weights = [w[...] for w in self.conv_weights]
-    # The op's versions are "xla" and "pallas"; an LTE layer's "cudnn" (its attention) leaves
-    # the router to the default, and a model-wide "pallas" runs the router's kernels where they
-    # apply (not at tiny widths, nor under prefill's padding mask).
-    implementation = lte.implementation if lte.implementation in ("xla", "pallas") else None
-    if implementation == "pallas" and not kernels_apply(weights, lte.router_dilations, mask_BT):
-      implementation = "xla"
-    return lte_router_scores(
-        k_BTKD, v_BTKD, weights, [b[...] for b in self.conv_biases], self.proj_weight[...],
-        self.proj_bias[...], seeds_L2, dilations=lte.router_dilations, rate=lte.router_dropout,
-        mask_BT=mask_BT, implementation=implementation)
+    dtype = k_BTKD.dtype
+    # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
+    h_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then value dims
+                           (2, 0, 1, 3))
+    if mask_BT is not None:
+      h_KBTC = h_KBTC * mask_BT[None, :, :, None].astype(dtype)
+    layer_keys = ([None] * len(self.conv_weights) if dropout_key is None else
+                  list(jax.random.split(dropout_key, len(self.conv_weights))))
+    for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,
+                                           lte.router_dilations, layer_keys):
+      h_KBTC = router_conv.conv_silu(
+          h_KBTC, weight[...], bias[...], None if key is None else counter_hash.seed_words(key),
+          mask_BT, rate=lte.router_dropout, dilation=dilation)
+    logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, self.proj_weight[...].astype(dtype),
+                           preferred_element_type=jnp.float32) + self.proj_bias[...][:, None, None]
+    return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5

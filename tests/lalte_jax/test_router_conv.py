@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from jax.extend import core as jax_core
 
-from pallas_kernels import counter_hash
-from pallas_kernels.lte_router.reference import conv_silu
+from lalte_jax.layers import counter_hash
+from lalte_jax.layers.router_conv import conv_silu
 from lalte_jax.mixers.lte_router import LTERouter
 from lalte_jax.model import REMAT_CHECKPOINT_POLICIES
 from lalte_jax.presets import get_model_config

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from tests.tools import load_tool
 
-from pallas_kernels.lte_router.reference import grouped_conv_same
+from lalte_jax.layers.router_conv import grouped_conv_same
 
 
 def test_tiny_preset_rows_and_json(tmp_path, capsys):

@@ -34,13 +34,6 @@ def mix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 15)
 
 
-def element_bits(token: jax.Array, unit: jax.Array, seed0: jax.Array, seed1: jax.Array
-                 ) -> jax.Array:
-  """The 32 bits of element (token, unit), uint32 indices broadcast together; the same formula
-  in XLA (`keep_mask`) and inside the router's kernels (pallas_kernels/lte_router/pallas.py)."""
-  return mix32((mix32(token ^ seed0) ^ seed1) + unit * GOLDEN)
-
-
 def seed_words(key: jax.Array) -> jax.Array:
   """The two uint32 seed words [2] of a PRNG key."""
   return jax.random.bits(key, (2,), jnp.uint32)
@@ -75,4 +68,5 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float, *, layout: s
 
   token = index("B") * np.uint32(size["T"]) + index("T")
   unit = index("K") * np.uint32(size["C"]) + index("C")
-  return element_bits(token, unit, seed[0], seed[1]) >= keep_threshold(rate)
+  bits = mix32((mix32(token ^ seed[0]) ^ seed[1]) + unit * GOLDEN)
+  return bits >= keep_threshold(rate)

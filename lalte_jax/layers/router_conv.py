@@ -1,5 +1,4 @@
-"""The LTE router in jnp: `router_scores`, from the keys and values through its conv layers, each
-`conv_silu` = silu(conv(dropout(x)) + bias) with the heads leading, to the per-head projection.
+"""One layer of the LTE router's CNN, silu(conv(dropout(x)) + bias), with the heads leading.
 
 `grouped_conv_same` is the per-head 1-D convolution with 'same' zero padding: one batched matmul
 (heads leading, so no transpose) gives every tap's output y_i = x W_i at once; shifting y_i by the
@@ -16,8 +15,7 @@ which the remat policy "attention" saves (lalte_jax/model.py): its backward then
 recomputed convolution, only the elementwise SiLU and the dropout mask from the counter hash.
 (lalte-0.4b at B4 T4096 on one H200, 2026-11-29: 107,337 -> 108,211 tokens/s, peak 10.8 -> 10.0
 GiB.) A fused Pallas forward and backward of the layer measured 2.7x slower than this form
-(tools/bench_router.py, the same day) and was removed; the whole router in one kernel per pass
-is pallas.py.
+(tools/bench_router.py, the same day) and was removed.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels import counter_hash
+from lalte_jax.layers import counter_hash
 
 # The pre-activation's name for remat policies (ModelConfig.remat "attention" saves it).
 PRE_ACTIVATION = "lte_router_pre_activation"
@@ -72,10 +70,10 @@ def conv_silu(x_KBTC: jax.Array, weight_KICO: jax.Array, bias_KO: jax.Array,
   """
   heads, _, _, channels = x_KBTC.shape
   if weight_KICO.shape[0] != heads or weight_KICO.shape[2] != channels:
-    raise ValueError(f"lte_router reference.conv_silu: weight_KICO {weight_KICO.shape} does not fit"
+    raise ValueError(f"router_conv.conv_silu: weight_KICO {weight_KICO.shape} does not fit"
                      f" x_KBTC {x_KBTC.shape}")
   if weight_KICO.shape[1] % 2 != 1:
-    raise ValueError(f"lte_router reference.conv_silu: 'same' padding needs an odd tap count, got"
+    raise ValueError(f"router_conv.conv_silu: 'same' padding needs an odd tap count, got"
                      f" {weight_KICO.shape[1]}")
   dtype = x_KBTC.dtype
   x_KBTC = dropped(x_KBTC, seed, rate)
@@ -84,33 +82,3 @@ def conv_silu(x_KBTC: jax.Array, weight_KICO: jax.Array, bias_KO: jax.Array,
   if mask_BT is not None:
     h_KBTO = h_KBTO * mask_BT[None, :, :, None].astype(dtype)
   return jax.nn.silu(checkpoint_name(h_KBTO, PRE_ACTIVATION))
-
-
-def router_scores(k_BTKD: jax.Array, v_BTKD: jax.Array, conv_weights, conv_biases,
-                  proj_weight_KC: jax.Array, proj_bias_K: jax.Array, seeds_L2: jax.Array | None,
-                  *, dilations: tuple[int, ...], rate: float,
-                  mask_BT: jax.Array | None = None) -> jax.Array:
-  """Scores [B, T, Hkv] float32 in (-0.5, 0.5): sigmoid(logit) - 0.5 of the router's CNN over
-  concat(k, v) per KV head.
-
-  Args:
-    k_BTKD, v_BTKD: the pre-RoPE keys and the values, in the compute dtype.
-    conv_weights, conv_biases: per conv layer [Hkv, taps, C, O] and [Hkv, O].
-    proj_weight_KC, proj_bias_K: the projection of the last layer to one logit per head.
-    seeds_L2: uint32 [layers, 2], each layer's dropout seed words; None: no dropout.
-    dilations: per conv layer.
-    rate: the dropout rate.
-    mask_BT: bool [B, T], True at real tokens (padding reads as zeros); None: all real.
-  """
-  dtype = k_BTKD.dtype
-  # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
-  h_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then values
-                         (2, 0, 1, 3))
-  if mask_BT is not None:
-    h_KBTC = h_KBTC * mask_BT[None, :, :, None].astype(dtype)
-  for layer, (weight, bias, dilation) in enumerate(zip(conv_weights, conv_biases, dilations)):
-    h_KBTC = conv_silu(h_KBTC, weight, bias, None if seeds_L2 is None else seeds_L2[layer],
-                       mask_BT, rate=rate, dilation=dilation)
-  logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, proj_weight_KC.astype(dtype),
-                         preferred_element_type=jnp.float32) + proj_bias_K[:, None, None]
-  return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5

@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels import counter_hash
-from pallas_kernels.counter_hash import keep_threshold, mix32
+from lalte_jax.layers import counter_hash
+from lalte_jax.layers.counter_hash import keep_threshold, mix32
 
 
 def keep_mask(key, shape, rate, *, layout="BTKC"):
