@@ -27,7 +27,7 @@ from flax import nnx
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import StepContext
-from lalte_jax.layers import initializers, router_conv
+from lalte_jax.layers import initializers, lm_head, router_conv
 from lalte_jax.layers.mlp import SwiGLU
 from lalte_jax.layers.norms import RMSNorm
 from lalte_jax.mixers.attention import Attention
@@ -201,8 +201,7 @@ class HybridLM(nnx.Module):
     """Final norm and LM head (the embedding's transpose when tied): logits [B, T, V] float32."""
     h_BTD = self.final_norm(h_BTD)
     head_DV = self.embed.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
-    return jnp.einsum("btd,dv->btv", h_BTD, head_DV.astype(h_BTD.dtype),
-                      preferred_element_type=jnp.float32)
+    return lm_head.float32_logits(h_BTD, head_DV.astype(h_BTD.dtype))
 
   def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None,
                routing: RoutingControls | None = None, return_aux: bool = False,
