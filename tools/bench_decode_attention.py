@@ -185,6 +185,15 @@ def time_compaction(preset, batch, length, implementation, repeats, sets=4):
   return median_seconds(run_all, (ks, scores), repeats) / sets
 
 
+def report_command_and_json(results: dict, json_path: str) -> None:
+  """The end of a decode benchmark's run: its command line, and the results as JSON at
+  `json_path` when one is given."""
+  print("command: python " + " ".join(sys.argv))
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(results, f, indent=1)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--presets", nargs="+", default=["lalte-1.4b", "lalte-0.4b"])
@@ -297,10 +306,7 @@ def main(argv=None) -> int:
               f" {seconds * 1e6:.1f} us", flush=True)
   print(header)
   print("\n".join(rows))
-  print("command: python " + " ".join(sys.argv))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  report_command_and_json(results, args.json)
   return 0
 
 

@@ -16,7 +16,6 @@ reported beside it. `--sweep` times other `RecurrentConfig`s (columns per progra
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -26,7 +25,7 @@ from lalte_jax.config import get_model_config
 from pallas_kernels.benchmarking import Timed, kernel_times, looped_copy, paired_ms
 from pallas_kernels.gated_delta_rule.pallas_recurrent import (
     RecurrentConfig, fused_recurrent_gated_delta_rule_pallas)
-from tools.bench_decode_attention import copy_case
+from tools.bench_decode_attention import copy_case, report_command_and_json
 
 
 def gdn_shapes(preset: str) -> tuple[int, int, int, int]:
@@ -128,10 +127,7 @@ def main(argv=None) -> int:
       results["rows"].append(row)
       print(f"| {preset} | {config.block_v} | {config.num_warps} | {step_us:.1f} | {gbs:.0f} |"
             f" {gbs / copy_gbs:.2f} | {gpu_step_us:.1f} |", flush=True)
-  print("command: python " + " ".join(sys.argv))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  report_command_and_json(results, args.json)
   return 0
 
 
