@@ -19,10 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import LTEConfig
-from lalte_jax.layers import initializers
-from lalte_jax.sharding import per_batch_shard
-from pallas_kernels.lte_router import counter_hash, router_logits
-from pallas_kernels.lte_router import pallas as router_pallas
+from lalte_jax.layers import counter_hash, initializers, router_conv
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
@@ -56,45 +53,20 @@ class LTERouter(nnx.Module):
     mask_BT (bool, True = real token) zeroes padded tokens' features and every conv output at
     padded positions, the same as zero padding there. `dropout_key` turns dropout on (training).
     """
-    with jax.named_scope("lte_router"):  # names the router's kernels in profiles
-      return self._scores(k_BTKD, v_BTKD, mask_BT, dropout_key)
-
-  def _scores(self, k_BTKD, v_BTKD, mask_BT, dropout_key):
     lte = self.config
     dtype = k_BTKD.dtype
-    # Heads lead ([K, B, T, C]) for the whole CNN: the op's layout.
-    x_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then value dims
+    # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
+    h_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then value dims
                            (2, 0, 1, 3))
     if mask_BT is not None:
-      x_KBTC = x_KBTC * mask_BT[None, :, :, None].astype(dtype)
-    seeds = None
-    if dropout_key is not None and lte.router_dropout > 0:
-      seeds = jnp.stack([counter_hash.seed_words(key) for key in
-                         jax.random.split(dropout_key, len(self.conv_weights))])
-    implementation = lte.implementation
-    if implementation == "pallas" and not self._kernels_apply(x_KBTC, mask_BT):
-      implementation = "xla"  # a model-wide "pallas" keeps XLA's router where kernels don't apply
-    weights = tuple(w[...].astype(dtype) for w in self.conv_weights)
-    biases = tuple(b[...] for b in self.conv_biases)
-    num_layers = len(weights)
-
-    def logits(x_KBTC, *params, row_offset):
-      return router_logits(
-          x_KBTC, params[:num_layers], params[num_layers:2 * num_layers], params[2 * num_layers],
-          params[2 * num_layers + 1], seeds, dilations=lte.router_dilations,
-          rate=lte.router_dropout, mask_BT=mask_BT, row_offset=row_offset,
-          implementation=implementation)
-
-    params = (*weights, *biases, self.proj_weight[...], self.proj_bias[...])
-    if mask_BT is None:  # training: the kernels run per batch shard under a mesh
-      logit_KBT = per_batch_shard(logits, (x_KBTC,), params, batch_axis=1)
-    else:  # a prompt's padding mask (prefill, one device)
-      logit_KBT = logits(x_KBTC, *params, row_offset=0)
+      h_KBTC = h_KBTC * mask_BT[None, :, :, None].astype(dtype)
+    layer_keys = ([None] * len(self.conv_weights) if dropout_key is None else
+                  list(jax.random.split(dropout_key, len(self.conv_weights))))
+    for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,
+                                           lte.router_dilations, layer_keys):
+      h_KBTC = router_conv.conv_silu(
+          h_KBTC, weight[...], bias[...], None if key is None else counter_hash.seed_words(key),
+          mask_BT, rate=lte.router_dropout, dilation=dilation)
+    logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, self.proj_weight[...].astype(dtype),
+                           preferred_element_type=jnp.float32) + self.proj_bias[...][:, None, None]
     return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5
-
-  def _kernels_apply(self, x_KBTC, mask_BT) -> bool:
-    try:
-      router_pallas.check_supported(x_KBTC, tuple(w[...] for w in self.conv_weights))
-    except NotImplementedError:
-      return False
-    return mask_BT is None
