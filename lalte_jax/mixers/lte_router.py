@@ -53,6 +53,10 @@ class LTERouter(nnx.Module):
     mask_BT (bool, True = real token) zeroes padded tokens' features and every conv output at
     padded positions, the same as zero padding there. `dropout_key` turns dropout on (training).
     """
+    with jax.named_scope("lte_router"):  # names the router's kernels in profiles
+      return self._scores(k_BTKD, v_BTKD, mask_BT, dropout_key)
+
+  def _scores(self, k_BTKD, v_BTKD, mask_BT, dropout_key):
     lte = self.config
     dtype = k_BTKD.dtype
     # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
