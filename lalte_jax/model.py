@@ -27,13 +27,14 @@ from flax import nnx
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import StepContext
-from lalte_jax.layers import initializers, lm_head, router_conv
+from lalte_jax.layers import initializers, lm_head
 from lalte_jax.layers.mlp import SwiGLU
 from lalte_jax.layers.norms import RMSNorm
 from lalte_jax.mixers.attention import Attention
 from lalte_jax.mixers.gdn import GatedDeltaNet
 from lalte_jax.mixers.lte import LTEAttention, RoutingControls, retention_count
 from lalte_jax.mixers.nsa import NativeSparseAttention
+from pallas_kernels.lte_router import ROUTER_ACTIVATION
 from pallas_kernels.pallas_common import KERNEL_OUTPUT
 
 MIXERS = {"gdn": GatedDeltaNet, "attention": Attention, "lte": LTEAttention,
@@ -55,13 +56,12 @@ class ModelAux:
 # ModelConfig.remat -> the jax.checkpoint policy of a layer group (None: recompute all of it).
 # "attention" keeps the attention kernels' outputs (output and logsumexp, which their backward
 # kernels read), so the backward pass does not run the forward kernels again: the costliest part
-# of a group's recompute (laNSA's selected branch above all); and the LTE router's conv
-# pre-activations, so its backward recomputes no convolution (lalte_jax/layers/router_conv.py).
+# of a group's recompute (laNSA's selected branch above all); and the LTE router's activations,
+# so its backward recomputes no convolution and redraws no mask (pallas_kernels/lte_router).
 REMAT_CHECKPOINT_POLICIES = {
     "block": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "attention": jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT,
-                                                               router_conv.PRE_ACTIVATION),
+    "attention": jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT, ROUTER_ACTIVATION),
 }
 
 

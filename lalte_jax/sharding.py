@@ -11,8 +11,12 @@ kernel inside `jax.shard_map`, each device on its own rows and, where the "tenso
 every operand's head axis, on its own heads. Without a mesh, or when the batch does not divide
 over the batch axes, it calls the kernel directly (one device, or XLA's own partitioning).
 
-The operands of every kernel the mixers call share one layout: batch at axis 0 and heads at
-axis 2 (q/k/v [B, T, H, D], gates [B, T, H], LTE kept flags [B, T, Hkv], NSA gates
+`per_batch_shard` is the same for kernels that take whole (replicated) operands such as weights
+and whose results depend on the global row (the LTE router: k and v with its weights, its dropout
+hashing global rows).
+
+The operands of every kernel the mixers call through `per_shard` share one layout: batch at axis
+0 and heads at axis 2 (q/k/v [B, T, H, D], gates [B, T, H], LTE kept flags [B, T, Hkv], NSA gates
 [B, T, H, 3]); GQA stays consistent because query heads and KV heads are split into the same
 number of contiguous blocks, so query head j and its KV head j // G land on the same device.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -62,3 +67,31 @@ def per_shard(kernel: Callable[..., jax.Array], *operands: jax.Array) -> jax.Arr
   # check_vma=False: Pallas calls and custom_vjp rules carry no varying-axes annotations.
   return jax.shard_map(kernel, mesh=mesh, in_specs=tuple(spec(x.ndim) for x in operands),
                        out_specs=spec(out_ndim), check_vma=False)(*operands)
+
+
+def per_batch_shard(kernel: Callable[..., jax.Array], batched: tuple[jax.Array, ...],
+                    whole: tuple[jax.Array, ...], *, batch_axis: int) -> jax.Array:
+  """`kernel(*batched, *whole, row_offset=...)` per batch shard of the current mesh: the `batched`
+  operands and the output split along `batch_axis` over the batch axes, the `whole` operands on
+  every device, and `row_offset` the global index of the shard's first row (int32; 0 unsharded),
+  for kernels whose results depend on it (the LTE router's dropout masks hash the global row).
+  The "tensor" axis splits nothing here (each of its devices computes the same rows). Without a
+  mesh, or when the batch does not divide over the batch axes, the kernel is called directly."""
+  mesh = jax.sharding.get_abstract_mesh()
+  direct = lambda: kernel(*batched, *whole, row_offset=jnp.int32(0))
+  if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    return direct()
+  batch_shards = _axis_size(mesh, BATCH_AXES)
+  if batch_shards == 1 or batched[0].shape[batch_axis] % batch_shards:
+    return direct()
+  local_rows = batched[0].shape[batch_axis] // batch_shards
+
+  def per_shard_kernel(*operands):
+    row_offset = jax.lax.axis_index(BATCH_AXES).astype(jnp.int32) * local_rows
+    return kernel(*operands, row_offset=row_offset)
+
+  spec = lambda ndim: P(*[BATCH_AXES if axis == batch_axis else None for axis in range(ndim)])
+  out_ndim = jax.eval_shape(direct).ndim
+  return jax.shard_map(per_shard_kernel, mesh=mesh,
+                       in_specs=tuple(spec(x.ndim) for x in batched) + (P(),) * len(whole),
+                       out_specs=spec(out_ndim), check_vma=False)(*batched, *whole)

@@ -8,30 +8,32 @@ values, three groups of variants; in each group every variant is timed in altern
 group's first (`pallas_kernels.benchmarking.paired_ms`: medians of `--repeats` rounds after 2),
 and its ratio to that first one (`vs_first`) is what to compare across runs and machines (the
 absolute times of these sub-millisecond calls moved by 15% between machines, 2026-11-29):
-- `router fwd+bwd, dropout`: the gradient of the router's scores, summed, with respect to its
-  weights, keys and values, under `jax.checkpoint` (as the training step's remat recomputes the
-  block), with the dropout key the step passes;
-- `router fwd+bwd, no dropout`: the same without a key (what the dropout adds is the difference);
-- `router fwd+bwd, dropout, pre-activations saved`: the first row with the conv layers'
-  pre-activations kept by the checkpoint (`router_conv.PRE_ACTIVATION`, as the remat policy
-  "attention" keeps them), so the backward recomputes no convolution;
+- `router fwd+bwd, dropout, XLA` / `..., Pallas`: the gradient of the router's scores, summed,
+  with respect to its weights, keys and values, under `jax.checkpoint` with the activations the
+  training step's remat policy "attention" keeps (`lte_router.ROUTER_ACTIVATION`: the conv
+  pre-activations and the logits, and for the kernels the first layer's keep bits), with the
+  dropout key the step passes: `pallas_kernels.lte_router`'s XLA version, then its kernels;
+- `router fwd+bwd, dropout, XLA, nothing kept`: the first row with everything recomputed (remat
+  "block");
+- `router fwd+bwd, no dropout, XLA`: the first row without a key (what the dropout adds);
 - `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
   one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
-  (lalte_jax/layers/counter_hash.py) against JAX's standard Bernoulli draw;
+  (pallas_kernels/lte_router/counter_hash.py) against JAX's standard Bernoulli draw;
 - `conv layers fwd+bwd, batched einsum (ours)`, `..., shifted inputs in one matmul`,
   `..., batched einsum, float32 taps` and `..., grouped lax.conv, token-major`: the router's conv
-  layers alone (no dropout, SiLU between them), forward and backward, as the router computes them
-  (`router_conv.grouped_conv_same`: heads leading, every tap's output from one batched matmul in
-  the input's dtype, shifted and summed in float32), with the taps' shifted inputs contracted in
-  one matmul instead (`shifted_inputs_conv`), as it did before 2026-11-29 (the taps in float32),
-  and in the reference's form, one grouped convolution (groups = Hkv) over token-major
-  activations (cuDNN on GPUs).
+  layers alone in XLA (no dropout or bias, SiLU between them), forward and backward, as the XLA
+  version computes them (`reference.head_conv`: heads leading, every tap's output from one
+  batched matmul in the input's dtype, shifted and summed in float32), with the taps' shifted
+  inputs contracted in one matmul instead (`shifted_inputs_conv`), as it did before 2026-11-29
+  (the taps in float32), and in the reference model's form, one grouped convolution (groups =
+  Hkv) over token-major activations (cuDNN on GPUs).
 Prints one JSON line per row and a markdown table; `--json PATH` writes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -47,15 +49,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lalte_jax.layers import counter_hash, router_conv
-from lalte_jax.layers.router_conv import grouped_conv_same
+from pallas_kernels.lte_router import ROUTER_ACTIVATION, counter_hash
+from pallas_kernels.lte_router import reference as router_reference
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
 from lalte_jax.presets import get_model_config
 from pallas_kernels.benchmarking import Timed, paired_ms
 
 
 def hashed_dropout(x_KBTC, rate, key):
-  return router_conv.dropped(x_KBTC, counter_hash.seed_words(key), rate)
+  return router_reference.dropped(x_KBTC, counter_hash.seed_words(key), rate)
+
+
+def grouped_conv_same(h_KBTC, weight_KICO, dilation):
+  """The XLA version's convolution (reference.head_conv) without a bias."""
+  zero_bias = jnp.zeros((weight_KICO.shape[0], weight_KICO.shape[3]), h_KBTC.dtype)
+  return router_reference.head_conv(h_KBTC, weight_KICO, zero_bias, dilation=dilation)
 
 
 def threefry_dropout(x_KBTC, rate, key):
@@ -152,19 +160,22 @@ def paired_group(preset: str, group: list[tuple[str, Timed]], repeats: int) -> l
 def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dict]:
   lte = get_model_config(preset).lte
   router = LTERouter(lte, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(router)
+  _, params = nnx.split(router)
+  graphdefs = {name: nnx.split(LTERouter(dataclasses.replace(lte, implementation=name),
+                                         rngs=nnx.Rngs(0)))[0] for name in ("xla", "pallas")}
   kv_key, dropout_key = jax.random.split(jax.random.key(0))
   shape = (batch, seq_len, lte.num_kv_heads, lte.head_dim)
   k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(kv_key))
 
   rows, group = [], []
-  save_pre_activations = jax.checkpoint_policies.save_only_these_names(router_conv.PRE_ACTIVATION)
-  for name, key, policy in (("router fwd+bwd, dropout", dropout_key, None),
-                            ("router fwd+bwd, no dropout", None, None),
-                            ("router fwd+bwd, dropout, pre-activations saved", dropout_key,
-                             save_pre_activations)):
-    def score_sum(params, k, v, key=key):
+  keep_activations = jax.checkpoint_policies.save_only_these_names(ROUTER_ACTIVATION)
+  for name, key, policy, version in (
+      ("router fwd+bwd, dropout, XLA", dropout_key, keep_activations, "xla"),
+      ("router fwd+bwd, dropout, Pallas", dropout_key, keep_activations, "pallas"),
+      ("router fwd+bwd, dropout, XLA, nothing kept", dropout_key, None, "xla"),
+      ("router fwd+bwd, no dropout, XLA", None, keep_activations, "xla")):
+    def score_sum(params, k, v, key=key, graphdef=graphdefs[version]):
       return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
     grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
     group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))

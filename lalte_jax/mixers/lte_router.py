@@ -9,7 +9,9 @@ convolution, groups = Hkv).
 
 With kernel size 1 everywhere the router sees no context: the LTE-MLP ablation (§7.3).
 
-score = sigmoid(logit) - 0.5, so a token is kept iff score > 0 (G2).
+score = sigmoid(logit) - 0.5, so a token is kept iff score > 0 (G2). The module owns the
+parameters; the computation is the op `pallas_kernels.lte_router.router_logits` (its XLA version
+and its kernels, `LTEConfig.implementation`), run per batch shard under a mesh.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import LTEConfig
-from lalte_jax.layers import counter_hash, initializers, router_conv
+from lalte_jax.layers import initializers
+from lalte_jax.sharding import per_batch_shard
+from pallas_kernels.lte_router import counter_hash, router_logits
+from pallas_kernels.lte_router import pallas as router_pallas
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
@@ -59,18 +64,39 @@ class LTERouter(nnx.Module):
   def _scores(self, k_BTKD, v_BTKD, mask_BT, dropout_key):
     lte = self.config
     dtype = k_BTKD.dtype
-    # Heads lead ([K, B, T, C]) for the whole CNN: each conv is then one batched matmul.
-    h_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1),  # key dims, then value dims
-                           (2, 0, 1, 3))
     if mask_BT is not None:
-      h_KBTC = h_KBTC * mask_BT[None, :, :, None].astype(dtype)
-    layer_keys = ([None] * len(self.conv_weights) if dropout_key is None else
-                  list(jax.random.split(dropout_key, len(self.conv_weights))))
-    for weight, bias, dilation, key in zip(self.conv_weights, self.conv_biases,
-                                           lte.router_dilations, layer_keys):
-      h_KBTC = router_conv.conv_silu(
-          h_KBTC, weight[...], bias[...], None if key is None else counter_hash.seed_words(key),
-          mask_BT, rate=lte.router_dropout, dilation=dilation)
-    logit_KBT = jnp.einsum("kbtc,kc->kbt", h_KBTC, self.proj_weight[...].astype(dtype),
-                           preferred_element_type=jnp.float32) + self.proj_bias[...][:, None, None]
-    return jax.nn.sigmoid(jnp.transpose(logit_KBT, (1, 2, 0))) - 0.5
+      mask_BT1 = mask_BT[:, :, None, None].astype(dtype)
+      k_BTKD, v_BTKD = k_BTKD * mask_BT1, v_BTKD * mask_BT1
+    seeds = None
+    if dropout_key is not None and lte.router_dropout > 0:
+      seeds = jnp.stack([counter_hash.seed_words(key) for key in
+                         jax.random.split(dropout_key, len(self.conv_weights))])
+    implementation = lte.implementation
+    if implementation == "pallas" and not self._kernels_apply(k_BTKD, mask_BT):
+      implementation = "xla"  # a model-wide "pallas" keeps XLA's router where kernels don't apply
+    num_layers = len(self.conv_weights)
+    params = (*(w[...].astype(dtype) for w in self.conv_weights),
+              *(b[...] for b in self.conv_biases), self.proj_weight[...], self.proj_bias[...])
+    if seeds is not None:
+      params += (seeds,)
+
+    def logits(k_BTKD, v_BTKD, *params, row_offset):
+      return router_logits(
+          k_BTKD, v_BTKD, params[:num_layers], params[num_layers:2 * num_layers],
+          params[2 * num_layers], params[2 * num_layers + 1],
+          params[2 * num_layers + 2] if seeds is not None else None,
+          dilations=lte.router_dilations, rate=lte.router_dropout, mask_BT=mask_BT,
+          row_offset=row_offset, implementation=implementation)
+
+    if mask_BT is None:  # training: the kernels run per batch shard under a mesh
+      logit_BTK = per_batch_shard(logits, (k_BTKD, v_BTKD), params, batch_axis=0)
+    else:  # a prompt's padding mask (prefill, one device)
+      logit_BTK = logits(k_BTKD, v_BTKD, *params, row_offset=0)
+    return jax.nn.sigmoid(logit_BTK) - 0.5
+
+  def _kernels_apply(self, k_BTKD, mask_BT) -> bool:
+    try:
+      router_pallas.check_supported(k_BTKD, tuple(w[...] for w in self.conv_weights))
+    except NotImplementedError:
+      return False
+    return mask_BT is None

@@ -46,13 +46,15 @@ def keep_threshold(rate: float) -> np.uint32:
   return np.uint32(min(round(rate * 2.0 ** 32), 2 ** 32 - 1))
 
 
-def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float, *, layout: str = "BTKC"
-              ) -> jax.Array:
+def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float, *, layout: str = "BTKC",
+              row_offset: jax.Array | int = 0) -> jax.Array:
   """Bool mask of `shape`: True where the unit survives dropout at `rate`, from the seed words.
 
   `layout` names the four axes (a permutation of "BTKC": row, token, head, channel). Element
-  (b, t, k, c) is token b * T + t and unit k * C + c in every layout, so the same seed drops the
-  same units of token-major [B, T, K, C] and heads-first [K, B, T, C] activations.
+  (b, t, k, c) is token (row_offset + b) * T + t and unit k * C + c in every layout, so the same
+  seed drops the same units of token-major [B, T, K, C] and heads-first [K, B, T, C]
+  activations, and a shard of rows starting at `row_offset` draws its part of the whole batch's
+  mask.
   """
   if sorted(layout) != sorted("BTKC") or len(shape) != 4:
     raise ValueError(f"keep_mask: layout must be a permutation of 'BTKC' for a 4-d shape, got"
@@ -66,7 +68,8 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float, *, layout: s
     dims = [size[a] if a == axis else 1 for a in layout]
     return jax.lax.broadcasted_iota(jnp.uint32, dims, layout.index(axis))
 
-  token = index("B") * np.uint32(size["T"]) + index("T")
+  row = index("B") + jnp.asarray(row_offset).astype(jnp.uint32)
+  token = row * np.uint32(size["T"]) + index("T")
   unit = index("K") * np.uint32(size["C"]) + index("C")
   bits = mix32((mix32(token ^ seed[0]) ^ seed[1]) + unit * GOLDEN)
   return bits >= keep_threshold(rate)

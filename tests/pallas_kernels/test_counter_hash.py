@@ -1,12 +1,13 @@
-"""Dropout masks from the counter hash (lalte_jax/layers/counter_hash.py): rate, determinism,
-independence of neighbouring elements and the documented index contract."""
+"""Dropout masks from the counter hash (pallas_kernels/lte_router/counter_hash.py): rate,
+determinism, independence of neighbouring elements, the documented index contract, a batch
+shard's rows and the packed bits the router's kernels read."""
 
 import jax
 import numpy as np
 import pytest
 
-from lalte_jax.layers import counter_hash
-from lalte_jax.layers.counter_hash import keep_threshold, mix32
+from pallas_kernels.lte_router import counter_hash
+from pallas_kernels.lte_router.counter_hash import keep_threshold, mix32
 
 
 def keep_mask(key, shape, rate, *, layout="BTKC"):
@@ -80,3 +81,22 @@ def test_rate_outside_zero_one_is_refused(rate):
 def test_layout_must_name_the_four_axes():
   with pytest.raises(ValueError, match="layout"):
     keep_mask(jax.random.key(0), (2, 3, 4, 5), 0.1, layout="BTKK")
+
+
+def test_a_shard_of_rows_draws_its_part_of_the_whole_mask():
+  seed = counter_hash.seed_words(jax.random.key(3))
+  whole = counter_hash.keep_mask(seed, (2, 6, 5, 32), 0.3, layout="KBTC")
+  shard = counter_hash.keep_mask(seed, (2, 2, 5, 32), 0.3, layout="KBTC", row_offset=3)
+  np.testing.assert_array_equal(np.asarray(shard), np.asarray(whole[:, 3:5]))
+
+
+def test_packed_bits_hold_the_mask():
+  from pallas_kernels.lte_router import pallas as router_pallas  # pylint: disable=C0415
+  seed = counter_hash.seed_words(jax.random.key(4))
+  words = router_pallas.packed_keep_bits(
+      np.concatenate([np.asarray(seed), np.array([2, 0], np.uint32)]), (2, 3, 5, 64), 0.2)
+  mask = counter_hash.keep_mask(seed, (2, 3, 5, 64), 0.2, layout="KBTC", row_offset=2)
+  channel = np.arange(64)
+  unpacked = (np.asarray(words)[..., channel // 32] >> (channel % 32)) & 1
+  assert words.dtype == np.uint32 and words.shape == (2, 3, 5, 2)
+  np.testing.assert_array_equal(unpacked == 1, np.asarray(mask))

@@ -1,0 +1,88 @@
+"""The LTE router's CNN (§4.1): per KV head, L layers silu(conv(dropout(x)) + bias) over the
+concatenated pre-RoPE key and value, then a linear projection to one logit per token.
+
+Public entry: `router_logits`. Layer l's convolution is per head ('same' zero padding, dilation
+d_l, an odd number of taps): pre_l[t] = b_l + sum_i drop_l(x_{l-1})[t + i d_l - half_l] W_l,i with
+half_l = (taps // 2) d_l. Dropout draws its masks from the counter hash (counter_hash.py), so
+every version, pass and recomputation drops the same units.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.dispatch import Implementation, resolve
+from pallas_kernels.lte_router import pallas, reference
+from pallas_kernels.lte_router.reference import ROUTER_ACTIVATION
+
+__all__ = ["router_logits", "ROUTER_ACTIVATION", "GPU_DEFAULT"]
+
+# XLA until the kernels' effect on the training step is measured (the isolated router is not the
+# measure: an earlier form of these kernels made it 0.77x as long and left the step unchanged).
+GPU_DEFAULT = ("xla",)
+
+
+def _pallas(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds, *, dilations,
+            rate, mask_BT=None, row_offset=0):
+  if mask_BT is not None:
+    raise NotImplementedError("lte_router[pallas]: no padding mask (prefill uses 'xla')")
+  return pallas.router_logits(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds,
+                              dilations=dilations, rate=rate, row_offset=row_offset)
+
+
+def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
+                  proj_weight_KC: jax.Array, proj_bias_K: jax.Array, seeds: jax.Array | None, *,
+                  dilations, rate: float, mask_BT: jax.Array | None = None,
+                  row_offset: jax.Array | int = 0,
+                  implementation: Implementation = None) -> jax.Array:
+  """The router's logits, float32 [B, T, K].
+
+  Args:
+    k_BTKD, v_BTKD: [B, T, K, D] pre-RoPE keys and values; the CNN's input is concat(k, v) per
+      head (key dims, then value dims).
+    weights: per layer [K, taps_l, C_{l-1}, C_l] (C_0 = 2D); biases: per layer [K, C_l].
+    proj_weight_KC: [K, C_L]; proj_bias_K: [K].
+    seeds: uint32 [L, 2], each layer's dropout seed words (`counter_hash.seed_words`), or None
+      (no dropout).
+    dilations: per layer, >= 1. rate: the dropout rate in [0, 1).
+    mask_BT: bool [B, T], True at real tokens: padded tokens read as zeros at every layer (the
+      conv output is zeroed there before the SiLU); None: every token is real.
+    row_offset: the global index of row 0 (int32; a batch shard's first row): the dropout
+      masks hash global rows, so a sharded batch draws the whole batch's masks.
+    implementation: see `pallas_kernels.dispatch`: "xla" (reference.py) or "pallas" (fused
+      kernels, no mask_BT, power-of-two widths >= 16, two layers or more); None: GPU_DEFAULT on
+      a GPU, "xla" elsewhere.
+  """
+  if k_BTKD.shape != v_BTKD.shape or k_BTKD.ndim != 4:
+    raise ValueError(f"lte_router: k {k_BTKD.shape} and v {v_BTKD.shape} must be equal [B, T, K,"
+                     " D]")
+  heads, channels = k_BTKD.shape[2], 2 * k_BTKD.shape[3]
+  if not (len(weights) == len(biases) == len(dilations)) or not weights:
+    raise ValueError(f"lte_router: {len(weights)} weights, {len(biases)} biases and"
+                     f" {len(dilations)} dilations; expected one of each per layer (>= 1)")
+  for layer, (weight, bias, dilation) in enumerate(zip(weights, biases, dilations)):
+    if weight.ndim != 4 or weight.shape[0] != heads or weight.shape[2] != channels:
+      raise ValueError(f"lte_router: layer {layer} weight {weight.shape} does not fit its input"
+                       f" [{heads}, B, T, {channels}]")
+    if weight.shape[1] % 2 != 1:
+      raise ValueError(f"lte_router: layer {layer} has {weight.shape[1]} taps; 'same' padding"
+                       " needs an odd count")
+    if bias.shape != (heads, weight.shape[3]):
+      raise ValueError(f"lte_router: layer {layer} bias {bias.shape} does not fit its weight"
+                       f" {weight.shape}")
+    if not isinstance(dilation, int) or dilation < 1:
+      raise ValueError(f"lte_router: layer {layer} dilation must be an int >= 1, got"
+                       f" {dilation!r}")
+    channels = weight.shape[3]
+  if proj_weight_KC.shape != (heads, channels) or proj_bias_K.shape != (heads,):
+    raise ValueError(f"lte_router: projection {proj_weight_KC.shape} / {proj_bias_K.shape} does"
+                     f" not fit [{heads}, {channels}] / [{heads}]")
+  if seeds is not None and seeds.shape != (len(weights), 2):
+    raise ValueError(f"lte_router: seeds {seeds.shape}, expected ({len(weights)}, 2)")
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"lte_router: dropout rate must be in [0, 1), got {rate}")
+  version = resolve("lte_router", implementation,
+                    {"xla": reference.router_logits, "pallas": _pallas}, gpu_default=GPU_DEFAULT)
+  return version(k_BTKD, v_BTKD, tuple(weights), tuple(biases), proj_weight_KC, proj_bias_K,
+                 seeds, dilations=tuple(dilations), rate=float(rate), mask_BT=mask_BT,
+                 row_offset=row_offset)

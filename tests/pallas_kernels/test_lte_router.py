@@ -1,0 +1,209 @@
+"""lte_router: both versions of the router's CNN against a float64 definition written tap by tap
+over a zero-padded input (the logits and the gradients wrt k, v and every weight), with and
+without dropout, several tap counts and dilations, lengths that are not multiples of the tiles,
+a batch shard's row offset; the Pallas weight gradient's chunks and channel blocks; NaN in other
+rows reaching no output; the padding mask; refused arguments; the remat policy "attention"
+recomputing no router convolution. On CPU the kernels run in interpret mode; the `gpu` test
+compiles them at lalte-0.4b's router shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.extend import core as jax_core
+
+from lalte_jax.mixers.lte_router import LTERouter
+from lalte_jax.model import REMAT_CHECKPOINT_POLICIES
+from lalte_jax.presets import get_model_config
+from pallas_kernels.lte_router import counter_hash, router_logits
+from pallas_kernels.lte_router import pallas as router_pallas
+from tests.kernel_testing import assert_close, float64
+
+HEADS, BATCH, HEAD_DIM = 2, 2, 64
+
+
+def _inputs(length, taps, *, seed=0, head_dim=HEAD_DIM, batch=BATCH, rate=0.1):
+  rng = np.random.default_rng(seed)
+  widths = [2 * head_dim >> i for i in range(len(taps) + 1)]
+  normal = lambda *shape: rng.standard_normal(shape)
+  k, v = normal(batch, length, HEADS, head_dim), normal(batch, length, HEADS, head_dim)
+  weights = tuple(normal(HEADS, t, c_in, c_out) / np.sqrt(t * c_in)
+                  for t, c_in, c_out in zip(taps, widths[:-1], widths[1:]))
+  biases = tuple(0.1 * normal(HEADS, c_out) for c_out in widths[1:])
+  proj_weight, proj_bias = normal(HEADS, widths[-1]), np.full((HEADS,), 0.5)
+  seeds = (jnp.stack([counter_hash.seed_words(key) for key in
+                      jax.random.split(jax.random.key(seed + 1), len(taps))]) if rate else None)
+  cotangent = normal(batch, length, HEADS)
+  return (k, v, weights, biases, proj_weight, proj_bias), seeds, cotangent
+
+
+def _definition(k, v, weights, biases, proj_weight, proj_bias, seeds, *, dilations, rate,
+                row_offset):
+  """The router by its definition: per layer drop, then out[t] = b + sum_i x[t + i d - half]
+  W_i over the zero-padded input, SiLU; then the projection."""
+  x = jnp.transpose(jnp.concatenate([k, v], axis=-1), (2, 0, 1, 3))
+  for layer, (weight, bias, dilation) in enumerate(zip(weights, biases, dilations)):
+    if seeds is not None and rate:
+      keep = counter_hash.keep_mask(seeds[layer], x.shape, rate, layout="KBTC",
+                                    row_offset=row_offset)
+      x = jnp.where(keep, x / (1.0 - rate), 0.0)
+    taps, length = weight.shape[1], x.shape[2]
+    half = (taps // 2) * dilation
+    padded = jnp.pad(x, ((0, 0), (0, 0), (half, half), (0, 0)))
+    x = jax.nn.silu(bias[:, None, None, :] + sum(
+        jnp.einsum("kbtc,kco->kbto", padded[:, :, i * dilation:i * dilation + length],
+                   weight[:, i]) for i in range(taps)))
+  logit = jnp.einsum("kbtc,kc->kbt", x, proj_weight) + proj_bias[:, None, None]
+  return jnp.transpose(logit, (1, 2, 0))
+
+
+def _value_and_grads(fn, args, cotangent):
+  out, vjp = jax.vjp(fn, *args)
+  return [out] + jax.tree.leaves(vjp(cotangent.astype(out.dtype)))
+
+
+def _check(implementation, dtype, length, taps, dilations, rate, row_offset=0, factor=1.0):
+  args, seeds, cotangent = _inputs(length, taps, rate=rate)
+  with float64():
+    want = _value_and_grads(
+        lambda *a: _definition(*a, seeds, dilations=dilations, rate=rate, row_offset=row_offset),
+        [jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), a) for a in args],
+        jnp.asarray(cotangent, jnp.float64))
+  kv = [jnp.asarray(a, dtype) for a in args[:2]]
+  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args[2:]]
+  got = _value_and_grads(
+      lambda *a: router_logits(*a, seeds, dilations=dilations, rate=rate, row_offset=row_offset,
+                               implementation=implementation),
+      kv + params, jnp.asarray(cotangent, jnp.float32))
+  names = ["logit", "dk", "dv"] + [f"d{n}{i}" for n in ("weight", "bias") for i in range(len(taps))]
+  names += ["dproj_weight", "dproj_bias"]
+  for name, g, w in zip(names, got, want):
+    assert_close(g, w, dtype, factor=factor, name=name)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("length, taps, dilations, rate, row_offset", [
+    (100, (3, 3, 3), (2, 2, 2), 0.1, 0),
+    (37, (3, 3, 3), (2, 2, 2), 0.0, 0),
+    (130, (3, 5, 1), (1, 2, 3), 0.25, 3),
+])
+def test_matches_the_float64_definition(implementation, dtype, length, taps, dilations, rate,
+                                        row_offset):
+  _check(implementation, dtype, length, taps, dilations, rate, row_offset,
+         factor=2.0 if dtype == jnp.bfloat16 else 1.0)
+
+
+def test_weight_gradient_over_several_chunks_and_channel_blocks(monkeypatch):
+  """Chunks of one tile (length 300: three tiles a row) and [16, O] channel blocks in the later
+  layers, as long sequences and wide layers split the weight gradients' sums."""
+  monkeypatch.setattr(router_pallas, "CHUNK", router_pallas.BLOCK_T)
+  monkeypatch.setattr(router_pallas, "MAX_ACCUMULATOR", 16 * 32)
+  _check("pallas", jnp.float32, 300, (3, 3, 3), (2, 2, 2), 0.1)
+
+
+def test_no_read_across_rows():
+  """NaN in batch row 1 of k and v: row 0's logits and gradients equal a run without them."""
+  args, seeds, cotangent = _inputs(70, (3, 3, 3))
+  k, v = (jnp.asarray(a, jnp.float32) for a in args[:2])
+  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args[2:]]
+  run = lambda k, v: router_logits(k, v, *params, seeds, dilations=(2, 2, 2), rate=0.1,
+                                   implementation="pallas")
+  cotangent = jnp.asarray(cotangent, jnp.float32).at[1].set(0.0)
+  clean, clean_vjp = jax.vjp(run, k, v)
+  poisoned, vjp = jax.vjp(run, k.at[1].set(jnp.nan), v.at[1].set(jnp.nan))
+  np.testing.assert_array_equal(np.asarray(poisoned[0]), np.asarray(clean[0]))
+  for got, want in zip(vjp(cotangent), clean_vjp(cotangent)):
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def test_the_padding_mask_equals_the_unpadded_prompt():
+  """Left padding (as prompts are padded): with the mask, the real tokens' logits are those of the
+  row without its pads."""
+  args, _, _ = _inputs(40, (3, 3, 3), rate=0.0)
+  k, v = (jnp.asarray(a, jnp.float32) for a in args[:2])
+  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args[2:]]
+  mask = jnp.arange(40)[None, :] >= jnp.array([[0], [7]])
+  run = lambda k, v, mask=None: router_logits(k, v, *params, None, dilations=(2, 2, 2), rate=0.0,
+                                              mask_BT=mask, implementation="xla")
+  masked = run(k * mask[:, :, None, None], v * mask[:, :, None, None], mask)
+  alone = run(k[1:, 7:], v[1:, 7:])
+  np.testing.assert_allclose(np.asarray(masked[1, 7:]), np.asarray(alone[0]), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(np.asarray(masked[0]), np.asarray(run(k[:1], v[:1])[0]), rtol=1e-5,
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: (a[0], a[1][:, :, :1]) + a[2:], "must be equal"),
+    (lambda a: a[:2] + ((a[2][0][:, :2],) + a[2][1:],) + a[3:], "odd count"),
+    (lambda a: a[:3] + ((a[3][0][:, :4],) + a[3][1:],) + a[4:], "bias"),
+    (lambda a: a[:4] + (a[4][:, :3],) + a[5:], "projection"),
+])
+def test_refuses_bad_arguments(change, message):
+  args, _, _ = _inputs(20, (3, 3, 3), rate=0.0)
+  args = change(tuple(jax.tree.map(jnp.asarray, a) for a in args))
+  with pytest.raises(ValueError, match=message):
+    router_logits(*args, None, dilations=(2, 2, 2), rate=0.0, implementation="xla")
+
+
+def test_pallas_refuses_what_it_does_not_handle():
+  args, _, _ = _inputs(20, (3, 3, 3), rate=0.0, head_dim=16)
+  args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
+  with pytest.raises(NotImplementedError, match="must be a power of two >= 16"):
+    router_logits(*args, None, dilations=(2, 2, 2), rate=0.0, implementation="pallas")
+  args, _, _ = _inputs(20, (3, 3, 3), rate=0.0)
+  args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
+  with pytest.raises(NotImplementedError, match="padding mask"):
+    router_logits(*args, None, dilations=(2, 2, 2), rate=0.0,
+                  mask_BT=jnp.ones((BATCH, 20), bool), implementation="pallas")
+
+
+def _dot_count(jaxpr) -> int:
+  """dot_general equations of a jaxpr and of the jaxprs inside its equations."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "dot_general"
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax_core.ClosedJaxpr):
+          count += _dot_count(sub.jaxpr)
+        elif isinstance(sub, jax_core.Jaxpr):
+          count += _dot_count(sub)
+  return count
+
+
+def test_remat_policy_attention_recomputes_no_router_convolution():
+  """Under the group's checkpoint with policy "attention", the router's gradient program holds
+  one convolution matmul per conv layer, and the projection's, fewer than with everything
+  recomputed ("block"): the pre-activations and the logits are kept."""
+  lte = get_model_config("lalte-tiny").lte
+  graphdef, params = nnx.split(LTERouter(lte, rngs=nnx.Rngs(0)))
+  k_BTKD = jax.random.normal(jax.random.key(0), (1, 16, lte.num_kv_heads, lte.head_dim))
+
+  def score_sum(params, k, v):
+    return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=jax.random.key(1)))
+
+  def dots(remat):
+    grad = jax.grad(jax.checkpoint(score_sum, policy=REMAT_CHECKPOINT_POLICIES[remat]),
+                    argnums=(0, 1, 2))
+    return _dot_count(jax.make_jaxpr(grad)(params, k_BTKD, k_BTKD).jaxpr)
+
+  assert dots("attention") == dots("block") - len(lte.router_kernel_sizes) - 1
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_at_the_router_shapes():
+  """Triton-compiled kernels (one GPU) at lalte-0.4b's router widths, bf16, against XLA's."""
+  args, seeds, cotangent = _inputs(1000, (3, 3, 3), batch=2)
+  kv = [jnp.asarray(a, jnp.bfloat16) for a in args[:2]]
+  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args[2:]]
+  run = lambda implementation: _value_and_grads(
+      lambda *a: router_logits(*a, seeds, dilations=(2, 2, 2), rate=0.1,
+                               implementation=implementation),
+      kv + params, jnp.asarray(cotangent, jnp.float32))
+  for g, w in zip(run("pallas"), run("xla")):
+    assert_close(g, w, jnp.bfloat16, factor=2.0)
