@@ -19,7 +19,7 @@ from lalte_jax.mixers.lte_router import LTERouter
 from lalte_jax.model import REMAT_CHECKPOINT_POLICIES
 from lalte_jax.presets import get_model_config
 from pallas_kernels.lte_router import counter_hash, router_logits
-from pallas_kernels.lte_router import pallas as router_pallas
+from pallas_kernels.lte_router import tiling
 from tests.kernel_testing import assert_close, float64
 
 HEADS, BATCH, HEAD_DIM = 2, 2, 64
@@ -100,8 +100,8 @@ def test_matches_the_float64_definition(implementation, dtype, length, taps, dil
 def test_weight_gradient_over_several_chunks_and_channel_blocks(monkeypatch):
   """Chunks of one tile (length 300: three tiles a row) and [16, O] channel blocks in the later
   layers, as long sequences and wide layers split the weight gradients' sums."""
-  monkeypatch.setattr(router_pallas, "CHUNK", router_pallas.BLOCK_T)
-  monkeypatch.setattr(router_pallas, "MAX_ACCUMULATOR", 16 * 32)
+  monkeypatch.setattr(tiling, "CHUNK", tiling.BLOCK_T)
+  monkeypatch.setattr(tiling, "MAX_ACCUMULATOR", 16 * 32)
   _check("pallas", jnp.float32, 300, (3, 3, 3), (2, 2, 2), 0.1)
 
 
