@@ -74,17 +74,13 @@ class LTERouter(nnx.Module):
     implementation = lte.implementation
     if implementation == "pallas" and not self._kernels_apply(k_BTKD, mask_BT):
       implementation = "xla"  # a model-wide "pallas" keeps XLA's router where kernels don't apply
-    num_layers = len(self.conv_weights)
-    params = (*(w[...].astype(dtype) for w in self.conv_weights),
-              *(b[...] for b in self.conv_biases), self.proj_weight[...], self.proj_bias[...])
-    if seeds is not None:
-      params += (seeds,)
+    params = (tuple(w[...].astype(dtype) for w in self.conv_weights),
+              tuple(b[...] for b in self.conv_biases), self.proj_weight[...], self.proj_bias[...],
+              seeds)
 
-    def logits(k_BTKD, v_BTKD, *params, row_offset):
+    def logits(k_BTKD, v_BTKD, weights, biases, proj_weight, proj_bias, seeds, *, row_offset):
       return router_logits(
-          k_BTKD, v_BTKD, params[:num_layers], params[num_layers:2 * num_layers],
-          params[2 * num_layers], params[2 * num_layers + 1],
-          params[2 * num_layers + 2] if seeds is not None else None,
+          k_BTKD, v_BTKD, weights, biases, proj_weight, proj_bias, seeds,
           dilations=lte.router_dilations, rate=lte.router_dropout, mask_BT=mask_BT,
           row_offset=row_offset, implementation=implementation)
 

@@ -75,18 +75,18 @@ def packed_keep_bits(seed_words, shape, rate):
 def _forward(k_BTKD, v_BTKD, words_KBTW, weights, biases, proj_weight_KC, proj_bias_K, seeds,
              dilations, rate):
   """(logit [K, B, T] float32, the pre-activations of the layers)."""
-  rate_of = lambda layer: 0.0 if seeds is None else rate
+  layer_rate = 0.0 if seeds is None else rate  # every layer's dropout rate
   seed_of = lambda layer: None if seeds is None else seeds[layer]
   pre, xd = pallas_forward.first_forward(
       k_BTKD, v_BTKD, words_KBTW, weights[0], biases[0],
-      tiling.offsets(weights[0].shape[1], dilations[0]), rate_of(0), seed_of(1), rate_of(1))
+      tiling.offsets(weights[0].shape[1], dilations[0]), layer_rate, seed_of(1), layer_rate)
   pres = [pre]
   for layer in range(1, len(weights)):
     last = layer == len(weights) - 1
     pre, xd = pallas_forward.forward_layer(
         xd, weights[layer], biases[layer],
         tiling.offsets(weights[layer].shape[1], dilations[layer]),
-        None if last else seed_of(layer + 1), 0.0 if last else rate_of(layer + 1),
+        None if last else seed_of(layer + 1), 0.0 if last else layer_rate,
         (proj_weight_KC, proj_bias_K) if last else None)
     pres.append(pre)
   return xd, pres
@@ -120,23 +120,24 @@ def _router_cnn_bwd(dilations, rate, residuals, dlogit_KBT):
   dproj_weight = jnp.einsum("kbt,kbto->ko", dlogit_KBT, act_last)
   dproj_bias = jnp.sum(dlogit_KBT, axis=(1, 2))
   wp = proj_weight_KC.astype(dtype).astype(jnp.float32)
-  dpre = ((dlogit_KBT[..., None] * wp[:, None, None, :]) * tiling.silu_grad(pre_last)).astype(dtype)
+  dpre = ((dlogit_KBT[..., None] * wp[:, None, None, :])
+          * tiling.silu_grad(pre_last)).astype(dtype)
   dweights, dbiases = [], []
   layer_rate = 0.0 if seeds is None else rate
+  seed_of = lambda layer: None if seeds is None else seeds[layer]
   for layer in reversed(range(len(weights))):
     offsets = tiling.offsets(weights[layer].shape[1], dilations[layer])
     dbiases.append(jnp.sum(dpre.astype(jnp.float32), axis=(1, 2)).astype(biases[layer].dtype))
     if layer == 0:
-      dweights.append(pallas_backward.first_weight_grad(k_BTKD, v_BTKD, words_KBTW, dpre, offsets,
-                                         layer_rate).astype(weights[0].dtype))
+      dweights.append(pallas_backward.first_weight_grad(
+          k_BTKD, v_BTKD, words_KBTW, dpre, offsets, layer_rate).astype(weights[0].dtype))
       dk_BTKD, dv_BTKD = pallas_backward.first_input_grad(dpre, weights[0], words_KBTW, offsets,
                                                           layer_rate)
       break
-    xd = pallas_backward.dropped_activation(pres[layer - 1],
-                                            None if seeds is None else seeds[layer], rate)
+    xd = pallas_backward.dropped_activation(pres[layer - 1], seed_of(layer), rate)
     dweights.append(pallas_backward.weight_grad(xd, dpre, offsets).astype(weights[layer].dtype))
     dpre = pallas_backward.input_grad(dpre, weights[layer], offsets, pres[layer - 1],
-                       None if seeds is None else seeds[layer], layer_rate)
+                                      seed_of(layer), layer_rate)
   zero_grad = lambda x: None if x is None else jnp.zeros(x.shape, jax.dtypes.float0)
   return (dk_BTKD.astype(k_BTKD.dtype), dv_BTKD.astype(v_BTKD.dtype), zero_grad(words_KBTW),
           tuple(reversed(dweights)), tuple(reversed(dbiases)),

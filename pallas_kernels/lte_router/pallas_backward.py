@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lte_router import counter_hash, tiling
+from pallas_kernels.lte_router import reference, tiling
 from pallas_kernels.pallas_common import (
     MIN_DOT_DIM, cdiv, interpret_mode, kernel_dot, triton_compiler_params)
 
@@ -191,11 +191,9 @@ def weight_grad(x_KBTC, dy_KBTO, offsets):
 
 
 def dropped_activation(pre_KBTC, seed_words, rate):
-  """drop(silu(pre)) as the forward kernels compute it (rounded to pre's dtype before the
-  dropout's scaling, the mask of seed_words = (s0, s1, row offset, 0))."""
+  """drop(silu(pre)) as the forward kernels compute it (the SiLU rounded to pre's dtype, then
+  the dropout of seed_words = (s0, s1, row offset, 0))."""
   act = jax.nn.silu(pre_KBTC.astype(jnp.float32)).astype(pre_KBTC.dtype)
-  if seed_words is None or not rate:
+  if seed_words is None:
     return act
-  keep = counter_hash.keep_mask(seed_words[:2], pre_KBTC.shape, rate, layout="KBTC",
-                                row_offset=seed_words[2])
-  return jnp.where(keep, act.astype(jnp.float32) / (1.0 - rate), 0.0).astype(pre_KBTC.dtype)
+  return reference.dropped(act, seed_words[:2], rate, seed_words[2])
