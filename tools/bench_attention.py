@@ -82,10 +82,10 @@ def kept_list_alone(q, k, v, kept, key_valid):
   batch, length, num_kv_heads, _ = k.shape
   listed = compaction.listed_keys(batch=batch, key_len=length, num_kv_heads=num_kv_heads,
                                   num_sinks=0, kept_BSK=kept, key_valid_BS=None)
-  positions, counts = compaction.kept_list_and_counts(
+  kept_list, counts = compaction.kept_list_and_counts(
       listed, capacity=length, block_qs=(BlockSizes().block_q,), padded_query_len=q.shape[1],
       query_offset=0, window_size=LTE_WINDOW_KEYS)
-  return positions, counts
+  return kept_list.positions_BKC, counts
 
 
 def jax_variants(block_sizes=None):

@@ -4,8 +4,8 @@ sinks, LTE training (window + kept keys) and LTE prefill (window + kept keys + l
 XLA pads T and S to the tile sizes and builds the sorted kept list (sinks + kept keys); the
 kernels (pallas_forward, pallas_backward) visit the window tiles plus only the list entries that
 are outside each query's window. Gradients wrt q, k, v come from a custom VJP (dq kernel, dk/dv
-window and kept-list kernels); the kept list's dk/dv reach k/v through the transpose of the
-gather of its K/V (taken inside the backward). A call that is not differentiated (prefill) runs
+window and kept-list kernels); the kept list's dk/dv reach k/v through the inverse of the
+gather of its K/V (`compaction.entries_to_keys`). A call that is not differentiated (prefill) runs
 the forward without its logsumexp output and reads the kept K/V by position; a differentiated
 one gathers K/V copies for its kernels (see `Problem.gather_kept_in_kernel`).
 On CPU the kernels run in Pallas interpret mode (for tests).
@@ -42,8 +42,8 @@ def _attention_core(problem, blocks, q, k, v, key_valid, kept, counts_fwd, count
 def _attention_core_fwd(problem, blocks, q, k, v, key_valid, kept, counts_fwd, counts_dq,
                         counts_dkv):
   if kept is not None:  # the K/V copies that forward, dq and the kept dk/dv kernels read
-    kept = compaction.KeptList(kept.positions_BKC,
-                               *compaction.gather_kept(k, v, kept.positions_BKC))
+    kept = kept._replace(**dict(zip(("k_BCKD", "v_BCKD"),
+                                    compaction.gather_kept(k, v, kept.positions_BKC))))
   o, lse = save_kernel_outputs(*forward(problem, blocks, q, k, v, key_valid, kept, counts_fwd))
   return o, (q, k, v, key_valid, kept, counts_fwd, counts_dq, counts_dkv, o, lse)
 
@@ -57,14 +57,12 @@ def _attention_core_bwd(problem, blocks, residuals, do):
   dk, dv = backward_dkdv_window(problem, blocks, q, k, v, do, lse, delta, key_valid,
                                 out_dtype=jnp.float32 if kept is not None else k.dtype)
   if kept is not None:
-    # The kept dk/dv kernel reads the entries' k/v copies; their gradients go back through the
-    # gather's transpose (a scatter-add that drops padding entries).
-    gather = lambda k, v: compaction.gather_kept(k, v, kept.positions_BKC)
-    gather_transpose = jax.linear_transpose(gather, k, v)
+    # The kept dk/dv kernel reads the entries' k/v copies; their gradients go back to the keys
+    # by the inverse of the gather that made them.
     dk_kept, dv_kept = backward_dkdv_kept(problem, blocks, q, do, lse, delta, kept,
                                           counts_dkv)
-    dk_add, dv_add = gather_transpose((dk_kept.astype(k.dtype), dv_kept.astype(v.dtype)))
-    dk, dv = dk + dk_add.astype(jnp.float32), dv + dv_add.astype(jnp.float32)
+    dk = dk + compaction.entries_to_keys(dk_kept, kept.slots_BSK)
+    dv = dv + compaction.entries_to_keys(dv_kept, kept.slots_BSK)
   return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None)
 
 
@@ -137,14 +135,14 @@ def masked_attention(
     listed_BKS = compaction.listed_keys(
         batch=batch, key_len=key_len, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
         kept_BSK=kept_BSK, key_valid_BS=key_valid_BS)
-    positions_BKC, (counts_fwd, counts_dq, counts_dkv) = compaction.kept_list_and_counts(
+    # Positions and slots only: the K/V copies, where the kernels use them, are gathered in the
+    # differentiated forward (_attention_core_fwd); the slots serve its backward (XLA drops them
+    # where nothing is differentiated).
+    kept, (counts_fwd, counts_dq, counts_dkv) = compaction.kept_list_and_counts(
         listed_BKS, capacity=padded_key_len,
         block_qs=(block_sizes.block_q, block_sizes.block_q_dq, block_sizes.block_q_dkv),
         padded_query_len=padded_query_len, query_offset=key_len - query_len,
-        window_size=window_size)
-    # Positions only: the K/V copies, where the kernels use them, are gathered in the
-    # differentiated forward (_attention_core_fwd).
-    kept = compaction.KeptList(positions_BKC, None, None)
+        window_size=window_size, with_slots=True)
   o = _attention_core(problem, block_sizes, q, k, v, key_valid, kept, counts_fwd, counts_dq,
                       counts_dkv)
   return o[:, :query_len]

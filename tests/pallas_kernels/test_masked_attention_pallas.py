@@ -192,6 +192,27 @@ def test_kept_list_is_sorted_and_counts_follow_the_window():
         assert counts[b, h, t] == sum(j <= last_query - window for j in expected)
 
 
+def test_entries_to_keys_is_the_transpose_of_the_gather():
+  """The kept entries' gradients reach the keys by the inverse map (a gather), as the automatic
+  transpose of gather_kept (a scatter-add) would send them."""
+  rng = np.random.default_rng(6)
+  batch, key_len, num_kv_heads, capacity = 2, 37, 3, 48
+  kept = jnp.asarray(rng.random((batch, key_len, num_kv_heads)) < 0.4)
+  key_valid = jnp.asarray(np.arange(key_len)[None, :] >= np.array([[0], [5]]))
+  listed_BKS = compaction.listed_keys(batch=batch, key_len=key_len, num_kv_heads=num_kv_heads,
+                                      num_sinks=2, kept_BSK=kept, key_valid_BS=key_valid)
+  kept_list, _ = compaction.kept_list_and_counts(
+      listed_BKS, capacity=capacity, block_qs=(16,), padded_query_len=48, query_offset=0,
+      window_size=7, with_slots=True)
+  k = jnp.asarray(rng.standard_normal((batch, capacity, num_kv_heads, 16)), jnp.float32)
+  d_entries = jnp.asarray(rng.standard_normal((batch, capacity, num_kv_heads, 16)), jnp.float32)
+  transpose = jax.linear_transpose(
+      lambda k: compaction.gather_kept(k, k, kept_list.positions_BKC)[0], k)
+  np.testing.assert_array_equal(
+      np.asarray(compaction.entries_to_keys(d_entries, kept_list.slots_BSK)),
+      np.asarray(transpose(d_entries)[0]))
+
+
 GPU_CASES = {
     "lte_bf16": (jnp.bfloat16, dict(batch=2, query_len=1000, key_len=1000, num_q_heads=8,
                                     num_kv_heads=2, head_dim=64, window_size=129, num_sinks=4)),
