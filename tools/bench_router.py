@@ -8,11 +8,10 @@ values, three groups of variants; in each group every variant is timed in altern
 group's first (`pallas_kernels.benchmarking.paired_ms`: medians of `--repeats` rounds after 2),
 and its ratio to that first one (`vs_first`) is what to compare across runs and machines (the
 absolute times of these sub-millisecond calls moved by 15% between machines, 2026-11-29):
-- `router fwd+bwd, dropout, XLA` / `..., Pallas`: the gradient of the router's scores, summed,
-  with respect to its weights, keys and values, under `jax.checkpoint` with the activations the
-  training step's remat policy "attention" keeps (`lte_router.ROUTER_ACTIVATION`: the conv
-  pre-activations and the logits, and for the kernels the first layer's keep bits), with the
-  dropout key the step passes: `pallas_kernels.lte_router`'s XLA version, then its kernels;
+- `router fwd+bwd, dropout, XLA`: the gradient of the router's scores, summed, with respect to
+  its weights, keys and values, under `jax.checkpoint` with the activations the training step's
+  remat policy "attention" keeps (`lte_router.ROUTER_ACTIVATION`: the conv pre-activations and
+  the logits), with the dropout key the step passes (`pallas_kernels.lte_router`, XLA);
 - `router fwd+bwd, dropout, XLA, nothing kept`: the first row with everything recomputed (remat
   "block");
 - `router fwd+bwd, no dropout, XLA`: the first row without a key (what the dropout adds);
@@ -33,7 +32,6 @@ Prints one JSON line per row and a markdown table; `--json PATH` writes them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import pathlib
@@ -160,9 +158,7 @@ def paired_group(preset: str, group: list[tuple[str, Timed]], repeats: int) -> l
 def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dict]:
   lte = get_model_config(preset).lte
   router = LTERouter(lte, rngs=nnx.Rngs(0))
-  _, params = nnx.split(router)
-  graphdefs = {name: nnx.split(LTERouter(dataclasses.replace(lte, implementation=name),
-                                         rngs=nnx.Rngs(0)))[0] for name in ("xla", "pallas")}
+  graphdef, params = nnx.split(router)
   kv_key, dropout_key = jax.random.split(jax.random.key(0))
   shape = (batch, seq_len, lte.num_kv_heads, lte.head_dim)
   k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
@@ -170,12 +166,11 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
 
   rows, group = [], []
   keep_activations = jax.checkpoint_policies.save_only_these_names(ROUTER_ACTIVATION)
-  for name, key, policy, version in (
-      ("router fwd+bwd, dropout, XLA", dropout_key, keep_activations, "xla"),
-      ("router fwd+bwd, dropout, Pallas", dropout_key, keep_activations, "pallas"),
-      ("router fwd+bwd, dropout, XLA, nothing kept", dropout_key, None, "xla"),
-      ("router fwd+bwd, no dropout, XLA", None, keep_activations, "xla")):
-    def score_sum(params, k, v, key=key, graphdef=graphdefs[version]):
+  for name, key, policy in (
+      ("router fwd+bwd, dropout, XLA", dropout_key, keep_activations),
+      ("router fwd+bwd, dropout, XLA, nothing kept", dropout_key, None),
+      ("router fwd+bwd, no dropout, XLA", None, keep_activations)):
+    def score_sum(params, k, v, key=key):
       return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
     grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
     group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))

@@ -28,9 +28,6 @@
 #   trainlte   laLTE's training cost against GDN+SWA: the router's pieces (tools/bench_router.py),
 #              the 0.4b pair with its GPU time by op class, the 1.4b pair over per-device batches
 #              1, 2, 4 (the fastest marked) (~7 min)
-#   routerab   the LTE router's Pallas kernels against its XLA version: their GPU parity test, the
-#              router alone (tools/bench_router.py), and the lalte-0.4b training step with each in
-#              alternation, two rounds, beside gdn_swa-0.4b (~5 min)
 #   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
@@ -56,7 +53,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|routerab|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -72,7 +69,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|routerab|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -205,20 +202,6 @@ case "$stage" in
       --json "$dest/train_0_4b.json"
     step 200 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
       --steps 3 --warmup 1 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
-    ;;
-  routerab)
-    # Whether the router's kernels (pallas_kernels/lte_router, not the GPU default) shorten the
-    # training step: `--implementation pallas` runs them (lalte-0.4b's other mixers default to
-    # Pallas already), each round after the XLA version's run.
-    step 120 python3 -m pytest -q -m gpu tests/pallas_kernels/test_lte_router.py
-    step 90 python3 tools/bench_router.py --presets lalte-0.4b --json "$dest/router.json"
-    train=(python3 tools/bench_train.py --batch 4 --steps 5 --warmup 2 --lte_kept_fraction 0.125)
-    step 60 "${train[@]}" --presets gdn_swa-0.4b --json "$dest/train_gdn_swa.json"
-    for round in 1 2; do
-      step 60 "${train[@]}" --presets lalte-0.4b --json "$dest/train_xla_$round.json"
-      step 60 "${train[@]}" --presets lalte-0.4b --implementation pallas \
-        --json "$dest/train_pallas_$round.json"
-    done
     ;;
   anchors)
     # Ours first (JAX, then the process ends and frees the GPU), then FLA's PyTorch training of

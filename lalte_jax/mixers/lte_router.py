@@ -10,8 +10,8 @@ convolution, groups = Hkv).
 With kernel size 1 everywhere the router sees no context: the LTE-MLP ablation (§7.3).
 
 score = sigmoid(logit) - 0.5, so a token is kept iff score > 0 (G2). The module owns the
-parameters; the computation is the op `pallas_kernels.lte_router.router_logits` (its XLA version
-and its kernels, `LTEConfig.implementation`), run per batch shard under a mesh.
+parameters; the computation is the op `pallas_kernels.lte_router.router_logits` (XLA, its only
+version), run per batch shard under a mesh.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from lalte_jax.config import LTEConfig
 from lalte_jax.layers import initializers
 from lalte_jax.sharding import per_batch_shard
 from pallas_kernels.lte_router import counter_hash, router_logits
-from pallas_kernels.lte_router import pallas as router_pallas
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
@@ -71,9 +70,10 @@ class LTERouter(nnx.Module):
     if dropout_key is not None and lte.router_dropout > 0:
       seeds = jnp.stack([counter_hash.seed_words(key) for key in
                          jax.random.split(dropout_key, len(self.conv_weights))])
-    implementation = lte.implementation
-    if implementation == "pallas" and not self._kernels_apply(k_BTKD, mask_BT):
-      implementation = "xla"  # a model-wide "pallas" keeps XLA's router where kernels don't apply
+    # The router op has only its XLA version. `LTEConfig.implementation` is model-wide (it picks
+    # the attention ops' versions too): "xla" passes through, any other name ("pallas", "cudnn")
+    # leaves the router on its default, which is XLA, instead of the op's NotImplementedError.
+    implementation = "xla" if lte.implementation == "xla" else None
     params = (tuple(w[...].astype(dtype) for w in self.conv_weights),
               tuple(b[...] for b in self.conv_biases), self.proj_weight[...], self.proj_bias[...],
               seeds)
@@ -84,15 +84,8 @@ class LTERouter(nnx.Module):
           dilations=lte.router_dilations, rate=lte.router_dropout, mask_BT=mask_BT,
           row_offset=row_offset, implementation=implementation)
 
-    if mask_BT is None:  # training: the kernels run per batch shard under a mesh
+    if mask_BT is None:  # training: the router runs per batch shard under a mesh
       logit_BTK = per_batch_shard(logits, (k_BTKD, v_BTKD), params, batch_axis=0)
     else:  # a prompt's padding mask (prefill, one device)
       logit_BTK = logits(k_BTKD, v_BTKD, *params, row_offset=0)
     return jax.nn.sigmoid(logit_BTK) - 0.5
-
-  def _kernels_apply(self, k_BTKD, mask_BT) -> bool:
-    try:
-      router_pallas.check_supported(k_BTKD, tuple(w[...] for w in self.conv_weights))
-    except NotImplementedError:
-      return False
-    return mask_BT is None

@@ -4,7 +4,7 @@ concatenated pre-RoPE key and value, then a linear projection to one logit per t
 Public entry: `router_logits`. Layer l's convolution is per head ('same' zero padding, dilation
 d_l, an odd number of taps): pre_l[t] = b_l + sum_i drop_l(x_{l-1})[t + i d_l - half_l] W_l,i with
 half_l = (taps // 2) d_l. Dropout draws its masks from the counter hash (counter_hash.py), so
-every version, pass and recomputation drops the same units.
+every pass and recomputation drops the same units.
 """
 
 from __future__ import annotations
@@ -12,22 +12,15 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.dispatch import Implementation, resolve
-from pallas_kernels.lte_router import pallas, reference
+from pallas_kernels.lte_router import reference
 from pallas_kernels.lte_router.reference import ROUTER_ACTIVATION
 
 __all__ = ["router_logits", "ROUTER_ACTIVATION", "GPU_DEFAULT"]
 
-# XLA until the kernels' effect on the training step is measured (the isolated router is not the
-# measure: an earlier form of these kernels made it 0.77x as long and left the step unchanged).
+# The XLA version is the only one: fused Pallas kernels measured slower on one H200 (2026-11-29,
+# lalte-0.4b B4 T4096 with dropout): the router's forward and backward 1.180 ms against XLA's
+# 1.023 ms, the training step 150.3 / 150.6 ms against 148.8 / 148.6 ms in two rounds.
 GPU_DEFAULT = ("xla",)
-
-
-def _pallas(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds, *, dilations,
-            rate, mask_BT=None, row_offset=0):
-  if mask_BT is not None:
-    raise NotImplementedError("lte_router[pallas]: no padding mask (prefill uses 'xla')")
-  return pallas.router_logits(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds,
-                              dilations=dilations, rate=rate, row_offset=row_offset)
 
 
 def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
@@ -49,9 +42,8 @@ def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
       conv output is zeroed there before the SiLU); None: every token is real.
     row_offset: the global index of row 0 (int32; a batch shard's first row): the dropout
       masks hash global rows, so a sharded batch draws the whole batch's masks.
-    implementation: see `pallas_kernels.dispatch`: "xla" (reference.py) or "pallas" (fused
-      kernels, no mask_BT, power-of-two widths >= 16, two layers or more); None: GPU_DEFAULT on
-      a GPU, "xla" elsewhere.
+    implementation: see `pallas_kernels.dispatch`: "xla" (reference.py), the only version; None
+      runs it too (GPU_DEFAULT on a GPU, "xla" elsewhere).
   """
   if k_BTKD.shape != v_BTKD.shape or k_BTKD.ndim != 4:
     raise ValueError(f"lte_router: k {k_BTKD.shape} and v {v_BTKD.shape} must be equal [B, T, K,"
@@ -81,8 +73,8 @@ def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
     raise ValueError(f"lte_router: seeds {seeds.shape}, expected ({len(weights)}, 2)")
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"lte_router: dropout rate must be in [0, 1), got {rate}")
-  version = resolve("lte_router", implementation,
-                    {"xla": reference.router_logits, "pallas": _pallas}, gpu_default=GPU_DEFAULT)
+  version = resolve("lte_router", implementation, {"xla": reference.router_logits},
+                    gpu_default=GPU_DEFAULT)
   return version(k_BTKD, v_BTKD, tuple(weights), tuple(biases), proj_weight_KC, proj_bias_K,
                  seeds, dilations=tuple(dilations), rate=float(rate), mask_BT=mask_BT,
                  row_offset=row_offset)

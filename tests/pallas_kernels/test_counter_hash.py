@@ -1,6 +1,6 @@
 """Dropout masks from the counter hash (pallas_kernels/lte_router/counter_hash.py): rate,
-determinism, independence of neighbouring elements, the documented index contract, a batch
-shard's rows and the packed bits the router's kernels read."""
+determinism, independence of neighbouring elements, the documented index contract and a batch
+shard's rows."""
 
 import jax
 import numpy as np
@@ -89,14 +89,3 @@ def test_a_shard_of_rows_draws_its_part_of_the_whole_mask():
   shard = counter_hash.keep_mask(seed, (2, 2, 5, 32), 0.3, layout="KBTC", row_offset=3)
   np.testing.assert_array_equal(np.asarray(shard), np.asarray(whole[:, 3:5]))
 
-
-def test_packed_bits_hold_the_mask():
-  from pallas_kernels.lte_router import pallas as router_pallas  # pylint: disable=C0415
-  seed = counter_hash.seed_words(jax.random.key(4))
-  words = router_pallas.packed_keep_bits(
-      np.concatenate([np.asarray(seed), np.array([2, 0], np.uint32)]), (2, 3, 5, 64), 0.2)
-  mask = counter_hash.keep_mask(seed, (2, 3, 5, 64), 0.2, layout="KBTC", row_offset=2)
-  channel = np.arange(64)
-  unpacked = (np.asarray(words)[..., channel // 32] >> (channel % 32)) & 1
-  assert words.dtype == np.uint32 and words.shape == (2, 3, 5, 2)
-  np.testing.assert_array_equal(unpacked == 1, np.asarray(mask))
