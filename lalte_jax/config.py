@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 MixerKind = Literal["gdn", "attention", "lte", "nsa"]
 MIXER_KINDS = ("gdn", "attention", "lte", "nsa")
-RematPolicy = Literal["none", "block", "dots", "attention"]
-REMAT_POLICIES = ("none", "block", "dots", "attention")
+RematPolicy = Literal["none", "block", "dots", "attention", "dots_attention"]
+REMAT_POLICIES = ("none", "block", "dots", "attention", "dots_attention")
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -190,7 +190,7 @@ class ModelConfig:
   scan_layers: bool = True  # scan over the repeated group of layers (compile time flat in depth)
   # Recompute in the backward pass: "block" each layer group, "dots" the group but its matmuls'
   # outputs, "attention" the group but the attention kernels' outputs and the LTE router's conv
-  # pre-activations (model.REMAT_CHECKPOINT_POLICIES).
+  # pre-activations, "dots_attention" the group but both (model.REMAT_CHECKPOINT_POLICIES).
   remat: RematPolicy = "none"
   max_position_embeddings: int = 4096
 

@@ -58,10 +58,15 @@ class ModelAux:
 # kernels read), so the backward pass does not run the forward kernels again: the costliest part
 # of a group's recompute (laNSA's selected branch above all); and the LTE router's activations,
 # so its backward recomputes no convolution and redraws no mask (pallas_kernels/lte_router).
+_KEEP_KERNEL_OUTPUTS = jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT,
+                                                                     ROUTER_ACTIVATION)
 REMAT_CHECKPOINT_POLICIES = {
     "block": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "attention": jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT, ROUTER_ACTIVATION),
+    "attention": _KEEP_KERNEL_OUTPUTS,
+    # Both: the backward recomputes the group's elementwise work only.
+    "dots_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP_KERNEL_OUTPUTS),
 }
 
 

@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=8, help="steps per case, warm-up included")
   parser.add_argument("--warmup", type=int, default=3,
                       help="first steps left out of the timing (the first one compiles)")
-  parser.add_argument("--remat", default="attention", choices=REMAT_POLICIES)
+  parser.add_argument("--remat", default="dots_attention", choices=REMAT_POLICIES)
   parser.add_argument("--mesh", default="data", choices=("data", "fsdp"),
                       help="split the batch only (data) or also the parameters and moments (fsdp)")
   parser.add_argument("--deterministic", action="store_true",

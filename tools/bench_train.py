@@ -79,9 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="sequences per device per micro-batch; several values: each is timed"
                            " (up to the first that runs out of memory) and the fastest marked")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
-  # "attention" measured fastest at the 0.4b presets (H200, 2026-11-28: lansa +8%, gdn_swa +2%
-  # against "block", 0.4-1.1 GiB more memory; docs/benchmarks.md, History).
-  parser.add_argument("--remat", default="attention", choices=REMAT_POLICIES)
+  # "dots_attention" measured fastest at every preset timed (one H200, 2026-11-29, B4 T4096:
+  # gdn_swa-0.4b / lalte-0.4b / lansa-0.4b +4.4% / +4.8% / +4.1% over "attention", which had
+  # been fastest before; "dots" +3.9% / +2.3% / -1.2%; "none" -13% to -14% at 52-59 GiB;
+  # docs/benchmarks.md, section 5).
+  parser.add_argument("--remat", default="dots_attention", choices=REMAT_POLICIES)
   parser.add_argument("--lte_kept_fraction", type=float, default=None,
                       help="shift the LTE routers' output biases so that this fraction of the"
                            " tokens is kept per layer and head on the bench batch (the state the"

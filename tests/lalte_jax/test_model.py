@@ -97,23 +97,28 @@ def test_scanned_and_unscanned_stacks_agree(name):
                                atol=1e-6)
 
 
-# lalte-tiny (XLA mixers) runs every policy. lansa-tiny on its Pallas kernels (interpret mode, the
-# costliest gradient to compile here) runs "block", which recomputes the kernels in the backward
-# pass, and "attention", which keeps their outputs; "dots" recomputes them as "block" does (a
-# pallas_call is no dot) and keeps the dots that lalte-tiny's run already checks.
-REMAT_CASES = {"lalte-tiny": REMAT_POLICIES, "lansa-tiny": ("none", "block", "attention")}
+# lalte-tiny (XLA mixers) runs every policy. lansa-tiny and lalte-tiny on their Pallas kernels
+# (interpret mode, the costliest gradients to compile here) run the policies that keep the
+# kernels' outputs against "none"; lansa-tiny also runs "block", which recomputes the kernels in
+# the backward pass. "dots" recomputes them as "block" does (a pallas_call is no dot) and keeps
+# the dots that lalte-tiny's XLA run already checks.
+REMAT_CASES = {("lalte-tiny", False): REMAT_POLICIES,
+               ("lansa-tiny", True): ("none", "block", "attention"),
+               ("lalte-tiny", True): ("none", "attention", "dots_attention")}
 
 
-@pytest.mark.parametrize("preset, kernels", [("lalte-tiny", False), ("lansa-tiny", True)])
+@pytest.mark.parametrize("preset, kernels", list(REMAT_CASES))
 def test_remat_policies_give_the_same_gradients(preset, kernels):
-  """Every remat policy computes the same gradients; lansa-tiny on its Pallas kernels (interpret
-  mode), whose outputs the "attention" policy keeps."""
+  """Every remat policy computes the same gradients, on the XLA mixers and on the Pallas kernels
+  (interpret mode), whose outputs the "attention" policies keep."""
   config = get_model_config(preset)
   if kernels:
-    config = config.replace(nsa=dataclasses.replace(config.nsa, implementation="pallas"))
+    config = config.replace(**{
+        kind: dataclasses.replace(getattr(config, kind), implementation="pallas")
+        for kind in ("lte", "nsa") if getattr(config, kind) is not None})
   tokens = random_tokens(0, 1, 64, config.vocab_size)
   grads = {}
-  policies = REMAT_CASES[preset]
+  policies = REMAT_CASES[preset, kernels]
   for remat in policies:
     model = HybridLM(config.replace(remat=remat), rngs=nnx.Rngs(0))
     grad = nnx.jit(nnx.grad(lambda m, t: next_token_cross_entropy(m(t), t)))
