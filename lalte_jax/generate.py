@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lalte_jax.inference import caches, prompts, sampling, stack
+from lalte_jax.inference import caches, chunking, prompts, sampling, stack
 from lalte_jax.inference.caches import ModelCache
 from lalte_jax.inference.eviction import EvictionConfig
 
@@ -49,11 +49,12 @@ def init_cache(model, batch_size: int, max_length: int | None = None, *,
   return caches.init_model_cache(model.config, batch_size, max_length, eviction)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("all_logits",),
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("all_logits", "chunk_tokens"),
                    donate_argnums=(4,))
-def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits):
+def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits, chunk_tokens=None):
   TRACE_COUNTS["prefill"] += 1
-  return stack.prefill_impl(nnx.merge(graphdef, state), tokens_BT, valid_BT, cache, all_logits)
+  return stack.prefill_impl(nnx.merge(graphdef, state), tokens_BT, valid_BT, cache, all_logits,
+                            chunk_tokens)
 
 
 # XLA runs a GPU program's kernels as CUDA graphs, but only runs of several capturable kernels in a
@@ -87,15 +88,19 @@ def _check_tokens(tokens, ndim: int, vocab_size: int, what: str) -> np.ndarray:
   return array
 
 
-def prefill(model, tokens, cache: ModelCache, pad_mask=None, *, all_logits: bool = False
-            ) -> tuple[jax.Array, ModelCache]:
+def prefill(model, tokens, cache: ModelCache, pad_mask=None, *, all_logits: bool = False,
+            chunk_tokens: int | None = None) -> tuple[jax.Array, ModelCache]:
   """Runs left-padded prompts `tokens` [B, T] through an empty cache (the cache is donated).
 
   pad_mask: [B, T] bool, True = real token, pads first in every row; None = no padding.
+  chunk_tokens: run the MLPs and GDN layers over this many tokens at a time, so that the
+    prefill's memory stops growing with the prompt's (`lalte_jax.inference.chunking`; the same
+    result); None: the whole prompt at once.
   Returns logits [B, V] float32 of each row's last token ([B, T, V] with `all_logits`) and the
-  cache. Raises ValueError for empty prompts, ids outside the vocabulary, a used cache, or a prompt
-  longer than the cache's `max_length`.
+  cache. Raises ValueError for empty prompts, ids outside the vocabulary, a used cache, a prompt
+  longer than the cache's `max_length`, or a chunk_tokens that is not a positive int.
   """
+  chunk_tokens = chunking.check_chunk_tokens(chunk_tokens)
   config = model.config
   tokens = _check_tokens(tokens, 2, config.vocab_size, "tokens")
   batch, length = tokens.shape
@@ -116,7 +121,7 @@ def prefill(model, tokens, cache: ModelCache, pad_mask=None, *, all_logits: bool
                      f" full-attention/NSA cache holds max_length={cache.max_length}")
   graphdef, state = nnx.split(model)
   return _prefill_jit(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid), cache,
-                      all_logits=all_logits)
+                      all_logits=all_logits, chunk_tokens=chunk_tokens)
 
 
 def decode_step(model, token, cache: ModelCache, *, validate: bool = True
@@ -142,13 +147,14 @@ def decode_step(model, token, cache: ModelCache, *, validate: bool = True
   return _decode_jit(graphdef, state, jnp.asarray(token, jnp.int32), cache)
 
 
-def prefill_fn(model):
+def prefill_fn(model, chunk_tokens: int | None = None):
   """`prefill` without its checks or model splitting, for benchmarks: returns
   `fn(tokens_BT, valid_BT, cache) -> (logits_BV, cache)` (int32 tokens, bool valid, an empty cache,
   donated); `fn.lower(tokens_BT, valid_BT, cache)` lowers it without running it."""
   graphdef, state = nnx.split(model)
-  fn = functools.partial(_prefill_jit, graphdef, state, all_logits=False)
-  fn.lower = functools.partial(_prefill_jit.lower, graphdef, state, all_logits=False)
+  options = dict(all_logits=False, chunk_tokens=chunking.check_chunk_tokens(chunk_tokens))
+  fn = functools.partial(_prefill_jit, graphdef, state, **options)
+  fn.lower = functools.partial(_prefill_jit.lower, graphdef, state, **options)
   return fn
 
 
@@ -198,10 +204,10 @@ DECODE_LOOP_SCOPE = "decode_loop"
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1),
-                   static_argnames=("new_bucket", "max_length", "eviction"),
+                   static_argnames=("new_bucket", "max_length", "eviction", "chunk_tokens"),
                    compiler_options=DECODE_COMPILER_OPTIONS)
 def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, params, stop_S,
-                  key, pad_id, *, new_bucket, max_length, eviction):
+                  key, pad_id, *, new_bucket, max_length, eviction, chunk_tokens=None):
   TRACE_COUNTS["generate"] += 1
   model = nnx.merge(graphdef, state)
   rows = tokens_BP.shape[0]  # the caller's rows; copies of the last one fill the batch up
@@ -211,7 +217,8 @@ def _generate_jit(graphdef, config, state, tokens_BP, valid_BP, max_new_tokens, 
     valid_BP = jnp.concatenate([valid_BP] + [valid_BP[-1:]] * fill)
   batch = tokens_BP.shape[0]
   cache = caches.build_cache(config, batch, max_length, eviction)
-  logits_BV, cache = stack.prefill_impl(model, tokens_BP, valid_BP, cache, all_logits=False)
+  logits_BV, cache = stack.prefill_impl(model, tokens_BP, valid_BP, cache, all_logits=False,
+                                        chunk_tokens=chunk_tokens)
 
   def cond(carry):
     step, _, _, done_B, _ = carry
@@ -245,13 +252,15 @@ def _generate_arguments(model, prompt_tokens, max_new_tokens: int, *, pad_mask=N
                         prompt_lengths=None, temperature: float = 0.0, top_k: int | None = None,
                         top_p: float | None = None, stop_tokens: Sequence[int] = (),
                         rng: jax.Array | None = None, eviction: EvictionConfig | None = None,
-                        pad_id: int = 0) -> tuple[tuple, dict]:
+                        pad_id: int = 0, prefill_chunk_tokens: int | None = None
+                        ) -> tuple[tuple, dict]:
   """`generate`'s arguments checked and turned into those of its compiled program:
   (positional, keyword) for `_generate_jit`."""
   config = model.config
   if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
+  chunk_tokens = chunking.check_chunk_tokens(prefill_chunk_tokens)
   params = sampling.make_sampling_params(temperature, top_k, top_p)
   if temperature > 0 and rng is None:
     raise ValueError("rng: sampling (temperature > 0) needs an explicit jax.random.key")
@@ -271,13 +280,15 @@ def _generate_arguments(model, prompt_tokens, max_new_tokens: int, *, pad_mask=N
   return ((graphdef, config, state, jnp.asarray(tokens_BP), jnp.asarray(valid_BP),
            jnp.asarray(max_new_tokens, jnp.int32), params, jnp.asarray(stop_S), key,
            jnp.asarray(pad_id, jnp.int32)),
-          {"new_bucket": new_bucket, "max_length": max_length, "eviction": eviction})
+          {"new_bucket": new_bucket, "max_length": max_length, "eviction": eviction,
+           "chunk_tokens": chunk_tokens})
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt_lengths=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: Sequence[int] = (), rng: jax.Array | None = None,
-             eviction: EvictionConfig | None = None, pad_id: int = 0) -> GenerationOutput:
+             eviction: EvictionConfig | None = None, pad_id: int = 0,
+             prefill_chunk_tokens: int | None = None) -> GenerationOutput:
   """Generates up to `max_new_tokens` tokens per prompt (greedy when temperature == 0).
 
   prompt_tokens: a list of token-id sequences, or an int array [B, T] with `pad_mask` ([B, T]
@@ -286,13 +297,15 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt
     the loop when every row has stopped.
   rng: a `jax.random.key`, required when temperature > 0.
   eviction: an `EvictionConfig` for the full-attention layers (TOVA / uniform, §7.1-7.2).
+  prefill_chunk_tokens: the prompt's MLPs and GDN layers run over this many tokens at a time
+    (`prefill`'s chunk_tokens: bounded memory for long prompts, the same tokens).
   Raises ValueError for empty prompts, ids outside the vocabulary, max_new_tokens < 1, or bad
-  sampling arguments.
+  sampling or chunk arguments.
   """
   args, kwargs = _generate_arguments(
       model, prompt_tokens, max_new_tokens, pad_mask=pad_mask, prompt_lengths=prompt_lengths,
       temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
-      eviction=eviction, pad_id=pad_id)
+      eviction=eviction, pad_id=pad_id, prefill_chunk_tokens=prefill_chunk_tokens)
   out_BN, lengths_B = _generate_jit(*args, **kwargs)
   return GenerationOutput(tokens=out_BN[:, :max_new_tokens], lengths=lengths_B)
 

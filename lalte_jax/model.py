@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference import group_slot
+from lalte_jax.inference import chunking, group_slot
 from lalte_jax.inference.caches import StepContext
 from lalte_jax.layers import initializers, lm_head
 from lalte_jax.layers.mlp import SwiGLU
@@ -81,12 +81,13 @@ class Block(nnx.Module):
                       rescale_num_layers=config.num_layers if config.rescale_prenorm_residual
                       else None, dtype=config.compute_dtype, rngs=rngs)
 
-  def _residual(self, h_BTD: jax.Array, mix) -> tuple[jax.Array, object]:
+  def _residual(self, h_BTD: jax.Array, mix, chunk_tokens: int | None = None
+                ) -> tuple[jax.Array, object]:
     """h + mixed, then + SwiGLU(RMSNorm(.)), where `mix(RMSNorm(h))` returns (mixed, extra);
-    returns the new h and extra."""
+    returns the new h and extra. chunk_tokens: the MLP's tokens at a time (a prefill's chunk)."""
     mixed_BTD, extra = mix(self.mixer_norm(h_BTD))
     h_BTD = h_BTD + mixed_BTD
-    h_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
+    h_BTD = h_BTD + chunking.map_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, chunk_tokens)
     return h_BTD, extra
 
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
@@ -106,7 +107,8 @@ class Block(nnx.Module):
       return self._residual(h_BTD, lambda x: self.mixer.decode(x, cache, ctx))
     # A prompt fills the whole cache: the mixer's prefill takes and returns the group's arrays.
     h_BTD, filled = self._residual(
-        h_BTD, lambda x: self.mixer.prefill(x, group_slot.read_group(cache), ctx))
+        h_BTD, lambda x: self.mixer.prefill(x, group_slot.read_group(cache), ctx),
+        ctx.chunk_tokens)
     return h_BTD, group_slot.write_group(cache, filled)
 
 

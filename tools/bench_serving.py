@@ -154,7 +154,7 @@ def ours_row(model, batch: int, prompt: int, args) -> dict:
   tokens_BT = jnp.asarray(random_prompts(batch, prompt, config.vocab_size))
   valid_BT = jnp.ones((batch, prompt), bool)
   empty = jax.jit(lambda: gen.init_cache(model, batch, max_length=max_length))
-  prefill = gen.prefill_fn(model)
+  prefill = gen.prefill_fn(model, args.prefill_chunk_tokens)
   prefill_memory = memory_footprint(prefill.lower(tokens_BT, valid_BT, empty()).compile())
   times = []
   for _ in range(1 + args.prefill_iters):  # the first call compiles and is not counted
@@ -185,7 +185,8 @@ def ours_row(model, batch: int, prompt: int, args) -> dict:
   del cache
   row = {"prefill_s": prefill_s, "decode_ms": 1e3 * statistics.median(step_times[args.warmup:]),
          "decode_pipelined_ms": pipelined_ms, "step_bytes": moved,
-         "prefill_memory": prefill_memory, "decode_memory": decode_memory}
+         "prefill_memory": prefill_memory, "decode_memory": decode_memory,
+         "prefill_chunk_tokens": args.prefill_chunk_tokens}
   if args.generate:
     row["generate_ms_per_token"] = generate_ms_per_token(model, tokens_BT, args.generate)
   if args.profile_generate:
@@ -357,6 +358,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--warmup", type=int, default=3, help="decode steps before the timed ones")
   parser.add_argument("--prefill-iters", type=int, default=3,
                       help="timed prefill calls per row (after one untimed)")
+  parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                      help="prefill's chunk_tokens (lalte_jax.inference.chunking); default: the"
+                           " whole prompt at once")
   parser.add_argument("--compare-fla", action="store_true",
                       help="also FLA's PyTorch models of the presets it has (GPU)")
   parser.add_argument("--copy-mib", type=int, default=1024,
@@ -378,9 +382,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    f" {short} {long} (buckets {prompts.bucket_length(short)},"
                    f" {prompts.bucket_length(long)})")
   if min(args.batches + args.prompts) < 1 or args.steps < 1 or args.warmup < 0 \
-      or args.prefill_iters < 1 or args.copy_mib < 1:
-    parser.error("--batches, --prompts, --steps, --prefill-iters, --copy-mib must be >= 1,"
-                 " --warmup >= 0")
+      or args.prefill_iters < 1 or args.copy_mib < 1 \
+      or (args.prefill_chunk_tokens is not None and args.prefill_chunk_tokens < 1):
+    parser.error("--batches, --prompts, --steps, --prefill-iters, --copy-mib,"
+                 " --prefill-chunk-tokens must be >= 1, --warmup >= 0")
   for name in args.presets:
     try:
       get_model_config(name)

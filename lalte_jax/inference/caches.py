@@ -87,12 +87,16 @@ class StepContext:
   valid_BT: jax.Array  # bool: real token (False = left pad)
   pad_count_B: jax.Array  # [B] int32 left pads of each row
   position: jax.Array  # [] int32 padded index of this call's first token
+  # A prefill's chunk (lalte_jax.inference.chunking): its MLPs and GDN layers run over this many
+  # tokens at a time; None: the whole prompt at once.
+  chunk_tokens: int | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
-  def for_prompt(cls, valid_BT: jax.Array) -> StepContext:
+  def for_prompt(cls, valid_BT: jax.Array, chunk_tokens: int | None = None) -> StepContext:
     """A left-padded prompt from the start of the sequence."""
     pad_count_B = (valid_BT.shape[1] - jnp.sum(valid_BT, axis=1)).astype(jnp.int32)
-    return cls(valid_BT=valid_BT, pad_count_B=pad_count_B, position=jnp.zeros((), jnp.int32))
+    return cls(valid_BT=valid_BT, pad_count_B=pad_count_B, position=jnp.zeros((), jnp.int32),
+               chunk_tokens=chunk_tokens)
 
   @classmethod
   def for_token(cls, cache: ModelCache) -> StepContext:
@@ -117,6 +121,13 @@ def ring_from_prompt(x_BT_: jax.Array, ring_size: int) -> jax.Array:
     return jnp.pad(x_BT_, ((0, 0), (0, ring_size - length)) + ((0, 0),) * (x_BT_.ndim - 2))
   start = length - ring_size
   return jnp.roll(x_BT_[:, start:], start % ring_size, axis=1)
+
+
+def ring_from_tail(tail_BR_: jax.Array, length: int) -> jax.Array:
+  """`ring_from_prompt` of a prompt of `length` entries from its last R = ring size entries
+  [B, R, ...] (zeros standing for entries before the prompt's start)."""
+  ring_size = tail_BR_.shape[1]
+  return jnp.roll(tail_BR_, (length - ring_size) % ring_size, axis=1)
 
 
 def write_prompt(buffer_BSKD: jax.Array, x_BTKD: jax.Array) -> jax.Array:

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--eviction", choices=("tova", "uniform"),
                       help="training-free eviction for full-attention layers (§7.1-7.2)")
   parser.add_argument("--eviction-cache-size", type=int, default=1024)
+  parser.add_argument("--prefill-chunk-tokens", type=int,
+                      help="run the prompt's MLPs and GDN layers this many tokens at a time"
+                           " (less memory for long prompts, the same completion)")
   return parser
 
 
@@ -76,7 +79,8 @@ def run(argv: list[str] | None = None) -> list[str]:
   stop_tokens = tuple(args.stop_id) + tokenizers.stop_ids(tokenizer, vocab_size)
   out = generation.generate(
       model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-      top_p=args.top_p, stop_tokens=stop_tokens, rng=jax.random.key(args.seed), eviction=eviction)
+      top_p=args.top_p, stop_tokens=stop_tokens, rng=jax.random.key(args.seed), eviction=eviction,
+      prefill_chunk_tokens=args.prefill_chunk_tokens)
   completions = [row[:int(n)] for row, n in zip(out.tokens, out.lengths)]
   if args.print_ids:
     return [",".join(str(int(i)) for i in ids) for ids in completions]

@@ -73,13 +73,14 @@ def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: 
 
 
 def prefill_impl(model, tokens_BT: jax.Array, valid_BT: jax.Array, cache: ModelCache,
-                 all_logits: bool) -> tuple[jax.Array, ModelCache]:
+                 all_logits: bool, chunk_tokens: int | None = None
+                 ) -> tuple[jax.Array, ModelCache]:
   """Runs a left-padded prompt from an empty cache.
 
   Returns the logits of the last position [B, V] (or of every position [B, T, V] when
-  `all_logits`) and the filled cache.
+  `all_logits`) and the filled cache. chunk_tokens: see `lalte_jax.inference.chunking`.
   """
-  ctx = StepContext.for_prompt(valid_BT)
+  ctx = StepContext.for_prompt(valid_BT, chunk_tokens)
   h_BTD = model.embed(tokens_BT)
   h_BTD, layers = _run_groups(model, h_BTD, cache.layers, ctx, "prefill")
   logits = model.logits_from_hidden(h_BTD if all_logits else h_BTD[:, -1:])

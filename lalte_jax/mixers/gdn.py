@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference.caches import GDNCache, StepContext, ring_from_prompt
+from lalte_jax.inference import chunking
+from lalte_jax.inference.caches import GDNCache, StepContext, ring_from_tail
 from lalte_jax.layers.norms import rms_normalize
 from lalte_jax.layers.short_conv import ShortConv
 from lalte_jax.mixers.projections import input_projection, output_projection
@@ -124,21 +125,54 @@ class GatedDeltaNet(nnx.Module):
   def prefill(self, x_BTD: jax.Array, cache: GDNCache, ctx: StepContext
               ) -> tuple[jax.Array, GDNCache]:
     """GDN over a left-padded prompt of T >= 1 tokens and the cache after it (the cache's conv
-    rings on entry are ignored: a prompt starts a sequence)."""
+    rings on entry are ignored: a prompt starts a sequence). With `ctx.chunk_tokens` the layer
+    runs chunk by chunk (a `lax.scan` over the full chunks, then the remainder), carrying the
+    recurrent state and the last `conv_size` conv inputs: the one-piece computation, in pieces."""
     gdn = self.config.gdn
+    batch, length = x_BTD.shape[:2]
+    channels = (gdn.num_heads * gdn.head_dim,) * 2 + (gdn.num_heads * gdn.value_dim,)
+    tails = tuple(jnp.zeros((batch, gdn.conv_size, width), x_BTD.dtype) for width in channels)
+    carry = (cache.state_BHKV, tails)
+
+    def span(carry, xs):
+      x_BCD, valid_BC = xs
+      return self._prefill_span(x_BCD, carry, ctx.replace(valid_BT=valid_BC))
+
+    if ctx.chunk_tokens is None or length <= ctx.chunk_tokens:
+      carry, out_BTD = span(carry, (x_BTD, ctx.valid_BT))
+    else:
+      full, rest = zip(*(chunking.split_chunks(a, ctx.chunk_tokens)
+                         for a in (x_BTD, ctx.valid_BT)))
+      carry, full_out = jax.lax.scan(span, carry, full)
+      rest_out = None
+      if rest[0] is not None:
+        carry, rest_out = span(carry, rest)
+      out_BTD = chunking.join_chunks(full_out, rest_out)
+    state_BHKV, tails = carry
+    rings = tuple(ring_from_tail(tail_BRC, length) for tail_BRC in tails)
+    return out_BTD, GDNCache(
+        *rings, state_BHKV=state_BHKV.astype(jnp.float32))
+
+  def _prefill_span(self, x_BTD: jax.Array, carry: tuple, ctx: StepContext) -> tuple:
+    """The layer over one span of the prompt: (state, last conv_size conv inputs of q, k, v) ->
+    ((the same after the span), output [B, T, hidden])."""
+    gdn = self.config.gdn
+    state_BHKV, tails = carry
     inputs = self._conv_inputs(x_BTD, ctx)
-    convolved = [conv(x_BTC) for conv, x_BTC in zip((self.q_conv, self.k_conv, self.v_conv),
-                                                     inputs)]
+    convolved = [conv(x_BTC, tail_BRC[:, 1:])
+                 for conv, x_BTC, tail_BRC in zip((self.q_conv, self.k_conv, self.v_conv), inputs,
+                                                  tails)]
     if x_BTD.shape[1] == 1:
       kernel = fused_recurrent_gated_delta_rule
     else:
       kernel = functools.partial(chunk_gated_delta_rule,
                                  config=ChunkConfig(chunk_size=gdn.chunk_size))
     o_BTHV, state_BHKV = kernel(*self._rule_inputs(x_BTD, convolved, ctx),
-                                initial_state=cache.state_BHKV, output_final_state=True,
+                                initial_state=state_BHKV, output_final_state=True,
                                 use_qk_l2norm=True, implementation=gdn.implementation)
-    rings = (ring_from_prompt(x_BTC, gdn.conv_size) for x_BTC in inputs)
-    return self.output(o_BTHV, x_BTD), GDNCache(*rings, state_BHKV=state_BHKV.astype(jnp.float32))
+    tails = tuple(jnp.concatenate([tail_BRC, x_BTC], axis=1)[:, -gdn.conv_size:]
+                  for tail_BRC, x_BTC in zip(tails, inputs))
+    return (state_BHKV.astype(jnp.float32), tails), self.output(o_BTHV, x_BTD)
 
   def decode(self, x_B1D: jax.Array, cache: GDNCache, ctx: StepContext
              ) -> tuple[jax.Array, GDNCache]:

@@ -289,11 +289,14 @@ def test_cli_takes_and_prints_token_ids(tmp_path, capsys):
   model = tiny_model("gdn_swa", init_std=0.2)
   checkpoint.save_params(model, tmp_path / "ckpt")
   arguments = ["--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "6", "--print-ids"]
-  cli.main([*arguments, "--prompt-ids", "1,5,9", "--prompt-ids", "7"])
-  lines = capsys.readouterr().out.splitlines()
   expected = gen.generate(model, [[1, 5, 9], [7]], 6)
-  assert lines == [",".join(str(int(i)) for i in row[:int(n)])
-                   for row, n in zip(expected.tokens, expected.lengths)]
+  expected_lines = [",".join(str(int(i)) for i in row[:int(n)])
+                    for row, n in zip(expected.tokens, expected.lengths)]
+  cli.main([*arguments, "--prompt-ids", "1,5,9", "--prompt-ids", "7"])
+  assert capsys.readouterr().out.splitlines() == expected_lines
+  cli.main([*arguments, "--prompt-ids", "1,5,9", "--prompt-ids", "7",
+            "--prefill-chunk-tokens", "2"])
+  assert capsys.readouterr().out.splitlines() == expected_lines
 
 
 @pytest.mark.parametrize("ids, message", [
