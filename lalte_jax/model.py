@@ -87,7 +87,7 @@ class Block(nnx.Module):
     returns the new h and extra. chunk_tokens: the MLP's tokens at a time (a prefill's chunk)."""
     mixed_BTD, extra = mix(self.mixer_norm(h_BTD))
     h_BTD = h_BTD + mixed_BTD
-    h_BTD = h_BTD + chunking.map_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, chunk_tokens)
+    h_BTD = chunking.add_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, chunk_tokens)
     return h_BTD, extra
 
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,

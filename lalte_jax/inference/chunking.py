@@ -9,7 +9,7 @@ last inputs from one chunk to the next: the same computation as in one piece, so
 caches are unchanged (to rounding of the state at the chunk boundaries). The attention mixers still
 see the whole prompt at once (their keys and values are a few KB a token).
 
-`spans` splits a length into chunks; `map_chunks` runs a position-wise function over them.
+`chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """
 
 from __future__ import annotations
@@ -29,36 +29,32 @@ def check_chunk_tokens(chunk_tokens) -> int | None:
   return int(chunk_tokens)
 
 
-def split_chunks(x_BT_: jax.Array, chunk_tokens: int) -> tuple[jax.Array | None, jax.Array | None]:
-  """(full chunks [n, B, chunk, ...] or None, the remainder [B, r, ...] or None) of x along T."""
-  length = x_BT_.shape[1]
+def chunk_loop(body, carry, length: int, chunk_tokens: int):
+  """carry = body(start, size, carry) for the chunks [start, start + size) of [0, length): a
+  `fori_loop` over the full chunks (dynamic start, static size), then the remainder (static).
+  Bodies read their chunk with `lax.dynamic_slice_in_dim` and write whole-prompt arrays in the
+  carry with `lax.dynamic_update_slice_in_dim`, which XLA does in place: no stacked copy of the
+  chunks and no joined copy of the results."""
   count, rest = divmod(length, chunk_tokens)
-  full = None
   if count:
-    head = x_BT_[:, :count * chunk_tokens]
-    full = jnp.moveaxis(head.reshape(head.shape[0], count, chunk_tokens, *head.shape[2:]), 1, 0)
-  return full, (x_BT_[:, count * chunk_tokens:] if rest else None)
+    carry = jax.lax.fori_loop(
+        0, count, lambda i, c: body(i * chunk_tokens, chunk_tokens, c), carry)
+  if rest:
+    carry = body(count * chunk_tokens, rest, carry)
+  return carry
 
 
-def join_chunks(full_NBC_: jax.Array | None, rest_BR_: jax.Array | None) -> jax.Array:
-  """The inverse of `split_chunks`: [B, T, ...]."""
-  parts = []
-  if full_NBC_ is not None:
-    count, batch, chunk = full_NBC_.shape[:3]
-    parts.append(jnp.moveaxis(full_NBC_, 0, 1).reshape(batch, count * chunk,
-                                                       *full_NBC_.shape[3:]))
-  if rest_BR_ is not None:
-    parts.append(rest_BR_)
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-
-
-def map_chunks(fn: Callable[[jax.Array], jax.Array], x_BTD: jax.Array,
+def add_chunks(fn: Callable[[jax.Array], jax.Array], x_BTD: jax.Array,
                chunk_tokens: int | None) -> jax.Array:
-  """fn (position-wise: token t's output reads token t only) over x [B, T, D] `chunk_tokens`
-  tokens at a time (a `lax.map` over the full chunks, then the remainder); fn(x) at once when
-  chunk_tokens is None or covers T."""
-  if chunk_tokens is None or x_BTD.shape[1] <= chunk_tokens:
-    return fn(x_BTD)
-  full, rest = split_chunks(x_BTD, chunk_tokens)
-  return join_chunks(None if full is None else jax.lax.map(fn, full),
-                     None if rest is None else fn(rest))
+  """x + fn(x) for a position-wise fn (token t's output reads token t only), `chunk_tokens`
+  tokens at a time, each chunk's sum written over x's own chunk; at once when chunk_tokens is
+  None or covers T."""
+  length = x_BTD.shape[1]
+  if chunk_tokens is None or length <= chunk_tokens:
+    return x_BTD + fn(x_BTD)
+
+  def body(start, size, x_BTD):
+    x_BCD = jax.lax.dynamic_slice_in_dim(x_BTD, start, size, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(x_BTD, x_BCD + fn(x_BCD), start, axis=1)
+
+  return chunk_loop(body, x_BTD, length, chunk_tokens)

@@ -126,32 +126,27 @@ class GatedDeltaNet(nnx.Module):
               ) -> tuple[jax.Array, GDNCache]:
     """GDN over a left-padded prompt of T >= 1 tokens and the cache after it (the cache's conv
     rings on entry are ignored: a prompt starts a sequence). With `ctx.chunk_tokens` the layer
-    runs chunk by chunk (a `lax.scan` over the full chunks, then the remainder), carrying the
-    recurrent state and the last `conv_size` conv inputs: the one-piece computation, in pieces."""
+    runs chunk by chunk (`chunking.chunk_loop`), carrying the recurrent state and the last
+    `conv_size` conv inputs: the one-piece computation, in pieces."""
     gdn = self.config.gdn
     batch, length = x_BTD.shape[:2]
     channels = (gdn.num_heads * gdn.head_dim,) * 2 + (gdn.num_heads * gdn.value_dim,)
     tails = tuple(jnp.zeros((batch, gdn.conv_size, width), x_BTD.dtype) for width in channels)
-    carry = (cache.state_BHKV, tails)
-
-    def span(carry, xs):
-      x_BCD, valid_BC = xs
-      return self._prefill_span(x_BCD, carry, ctx.replace(valid_BT=valid_BC))
-
     if ctx.chunk_tokens is None or length <= ctx.chunk_tokens:
-      carry, out_BTD = span(carry, (x_BTD, ctx.valid_BT))
+      (state_BHKV, tails), out_BTD = self._prefill_span(x_BTD, (cache.state_BHKV, tails), ctx)
     else:
-      full, rest = zip(*(chunking.split_chunks(a, ctx.chunk_tokens)
-                         for a in (x_BTD, ctx.valid_BT)))
-      carry, full_out = jax.lax.scan(span, carry, full)
-      rest_out = None
-      if rest[0] is not None:
-        carry, rest_out = span(carry, rest)
-      out_BTD = chunking.join_chunks(full_out, rest_out)
-    state_BHKV, tails = carry
+      def body(start, size, carry):
+        span_carry, out_BTD = carry
+        x_BCD, valid_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+                           for a in (x_BTD, ctx.valid_BT))
+        span_carry, out_BCD = self._prefill_span(x_BCD, span_carry,
+                                                 ctx.replace(valid_BT=valid_BC))
+        return span_carry, jax.lax.dynamic_update_slice_in_dim(out_BTD, out_BCD, start, axis=1)
+
+      (state_BHKV, tails), out_BTD = chunking.chunk_loop(
+          body, ((cache.state_BHKV, tails), jnp.zeros_like(x_BTD)), length, ctx.chunk_tokens)
     rings = tuple(ring_from_tail(tail_BRC, length) for tail_BRC in tails)
-    return out_BTD, GDNCache(
-        *rings, state_BHKV=state_BHKV.astype(jnp.float32))
+    return out_BTD, GDNCache(*rings, state_BHKV=state_BHKV.astype(jnp.float32))
 
   def _prefill_span(self, x_BTD: jax.Array, carry: tuple, ctx: StepContext) -> tuple:
     """The layer over one span of the prompt: (state, last conv_size conv inputs of q, k, v) ->
