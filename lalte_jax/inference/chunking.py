@@ -1,4 +1,4 @@
-"""Prefill in token chunks: the prompt's memory bounded by the chunk, its result unchanged.
+"""Prefill in token chunks: less memory for a long prompt, the same result.
 
 A prefill runs the layers one after another over the whole prompt, so its temporaries grow with
 the prompt: the MLP's hidden activations, the GDN layers' projections and the chunked delta rule's
@@ -6,8 +6,9 @@ per-chunk states (tens of KB a token at 1.4b). With `chunk_tokens` (`StepContext
 the position-wise work (the MLP) runs over the prompt's tokens a chunk at a time, and a GDN layer
 runs its whole mixer chunk by chunk, carrying the recurrent state and the short convolutions'
 last inputs from one chunk to the next: the same computation as in one piece, so outputs and
-caches are unchanged (to rounding of the state at the chunk boundaries). The attention mixers still
-see the whole prompt at once (their keys and values are a few KB a token).
+caches are unchanged (to rounding of the state at the chunk boundaries). What still grows with
+the prompt: the residual stream between layers and the attention mixers, which see the whole
+prompt at once (their projections and kernels, a few KB a token each).
 
 `chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """
