@@ -28,6 +28,10 @@
 #   trainlte   laLTE's training cost against GDN+SWA: the router's pieces (tools/bench_router.py),
 #              the 0.4b pair with its GPU time by op class, the 1.4b pair over per-device batches
 #              1, 2, 4 (the fastest marked) (~7 min)
+#   remat      the 0.4b presets' training step under the remat policies attention, dots and
+#              dots_attention (4 sequences per GPU, routers at 12.5% kept; ~4 min)
+#   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
+#              of gdn-1.4b, gdn_swa-1.4b and lalte-1.4b (tools/bench_serving.py; ~5 min)
 #   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
 #              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
 #              step, 2026-11-26)
@@ -53,7 +57,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|longprompt|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -69,7 +73,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|longprompt|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -202,6 +206,21 @@ case "$stage" in
       --json "$dest/train_0_4b.json"
     step 200 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
       --steps 3 --warmup 1 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
+    ;;
+  remat)
+    # Each policy's run holds the three presets, each in its own process (bench_train's default).
+    for policy in attention dots dots_attention; do
+      step 170 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b lansa-0.4b \
+        --batch 4 --steps 5 --warmup 2 --lte_kept_fraction 0.125 --remat "$policy" \
+        --json "$dest/train_$policy.json"
+    done
+    ;;
+  longprompt)
+    # XLA's memory analysis of the compiled prefill and decode step gives each row's memory.
+    serving=(python3 tools/bench_serving.py --presets gdn-1.4b gdn_swa-1.4b lalte-1.4b \
+      --batches 1 --prompts 65536 --steps 3 --warmup 1 --prefill-iters 2)
+    step 150 "${serving[@]}" --json "$dest/prefill_whole.json"
+    step 150 "${serving[@]}" --prefill-chunk-tokens 8192 --json "$dest/prefill_chunks.json"
     ;;
   anchors)
     # Ours first (JAX, then the process ends and frees the GPU), then FLA's PyTorch training of

@@ -24,18 +24,18 @@ from tests.kernel_testing import assert_close, float64
 HEADS, BATCH, HEAD_DIM = 2, 2, 64
 
 
-def _inputs(length, taps, *, seed=0, head_dim=HEAD_DIM, batch=BATCH, rate=0.1):
+def _inputs(length, taps, *, seed=0, rate=0.1):
   rng = np.random.default_rng(seed)
-  widths = [2 * head_dim >> i for i in range(len(taps) + 1)]
+  widths = [2 * HEAD_DIM >> i for i in range(len(taps) + 1)]
   normal = lambda *shape: rng.standard_normal(shape)
-  k, v = normal(batch, length, HEADS, head_dim), normal(batch, length, HEADS, head_dim)
+  k, v = normal(BATCH, length, HEADS, HEAD_DIM), normal(BATCH, length, HEADS, HEAD_DIM)
   weights = tuple(normal(HEADS, t, c_in, c_out) / np.sqrt(t * c_in)
                   for t, c_in, c_out in zip(taps, widths[:-1], widths[1:]))
   biases = tuple(0.1 * normal(HEADS, c_out) for c_out in widths[1:])
   proj_weight, proj_bias = normal(HEADS, widths[-1]), np.full((HEADS,), 0.5)
   seeds = (jnp.stack([counter_hash.seed_words(key) for key in
                       jax.random.split(jax.random.key(seed + 1), len(taps))]) if rate else None)
-  cotangent = normal(batch, length, HEADS)
+  cotangent = normal(BATCH, length, HEADS)
   return (k, v, weights, biases, proj_weight, proj_bias), seeds, cotangent
 
 
