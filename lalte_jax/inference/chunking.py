@@ -2,13 +2,15 @@
 
 A prefill runs the layers one after another over the whole prompt, so its temporaries grow with
 the prompt: the MLP's hidden activations, the GDN layers' projections and the chunked delta rule's
-per-chunk states (tens of KB a token at 1.4b). With `chunk_tokens` (`StepContext.chunk_tokens`)
-the position-wise work (the MLP) runs over the prompt's tokens a chunk at a time, and a GDN layer
-runs its whole mixer chunk by chunk, carrying the recurrent state and the short convolutions'
-last inputs from one chunk to the next: the same computation as in one piece, so outputs and
-caches are unchanged (to rounding of the state at the chunk boundaries). What still grows with
-the prompt: the residual stream between layers and the attention mixers, which see the whole
-prompt at once (their projections and kernels, a few KB a token each).
+per-chunk states, the attention layers' queries and outputs (tens of KB a token at 1.4b). With
+`chunk_tokens` (`StepContext.chunk_tokens`) the position-wise work (the MLP) runs over the prompt's
+tokens a chunk at a time; a GDN layer runs its whole mixer chunk by chunk, carrying the recurrent
+state and the short convolutions' last inputs from one chunk to the next; full, SWA and LTE
+attention layers take the keys, values (and LTE's scores and kept set) of the whole prompt, then
+their queries a chunk at a time (projection, attention against the keys up to the chunk's end,
+o_proj). The same computation as in one piece, so outputs and caches are unchanged (to rounding
+of the GDN state at the chunk boundaries). What still grows with the prompt: the residual stream
+between layers, the keys and values, and the NSA layers, which run whole.
 
 `chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """
@@ -59,3 +61,29 @@ def add_chunks(fn: Callable[[jax.Array], jax.Array], x_BTD: jax.Array,
     return jax.lax.dynamic_update_slice_in_dim(x_BTD, x_BCD + fn(x_BCD), start, axis=1)
 
   return chunk_loop(body, x_BTD, length, chunk_tokens)
+
+
+def span_outputs(fn: Callable[[jax.Array | int, int], jax.Array], out_BT_: jax.Array,
+                 chunk_tokens: int) -> jax.Array:
+  """`out` with each chunk [start, start + size) replaced by fn(start, size) [B, size, ...], in
+  place (`chunk_loop`)."""
+
+  def body(start, size, out_BT_):
+    return jax.lax.dynamic_update_slice_in_dim(out_BT_, fn(start, size), start, axis=1)
+
+  return chunk_loop(body, out_BT_, out_BT_.shape[1], chunk_tokens)
+
+
+def front_padded(x_BS_: jax.Array) -> jax.Array:
+  """[B, 2S, ...]: S zeros (False for bool) then x; `keys_ending_at` slices it."""
+  return jnp.concatenate([jnp.zeros_like(x_BS_), x_BS_], axis=1)
+
+
+def keys_ending_at(padded_B2S_: jax.Array, end) -> jax.Array:
+  """[B, S, ...]: the first `end` keys of `front_padded(x)` placed last, zeros before them.
+
+  Attention ops align T queries with the last T of S keys; a query chunk that ends at `end` (its
+  queries at positions end - T .. end - 1) then sees keys 0 .. end - 1 at their places, and the
+  zeros in front are marked invalid by the same slice of the padded validity."""
+  length = padded_B2S_.shape[1] // 2
+  return jax.lax.dynamic_slice_in_dim(padded_B2S_, end, length, axis=1)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference import eviction
+from lalte_jax.inference import chunking, eviction
 from lalte_jax.inference.caches import KVCache, StepContext, ring_from_prompt, write_prompt
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.projections import input_projection, output_projection
@@ -42,11 +42,24 @@ class AttentionProjections(nnx.Module):
 
   def qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-RoPE q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]."""
-    batch, length = x_BTD.shape[:2]
-    q = self.q_proj(x_BTD).reshape(batch, length, self.num_heads, self.head_dim)
-    k = self.k_proj(x_BTD).reshape(batch, length, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x_BTD).reshape(batch, length, self.num_kv_heads, self.head_dim)
-    return q, k, v
+    return (self.queries(x_BTD), *self.keys_values(x_BTD))
+
+  def queries(self, x_BTD: jax.Array) -> jax.Array:
+    """Pre-RoPE q [B,T,Hq,D]."""
+    return self.q_proj(x_BTD).reshape(*x_BTD.shape[:2], self.num_heads, self.head_dim)
+
+  def keys_values(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Pre-RoPE k and v [B,T,Hkv,D]."""
+    shape = (*x_BTD.shape[:2], self.num_kv_heads, self.head_dim)
+    return self.k_proj(x_BTD).reshape(shape), self.v_proj(x_BTD).reshape(shape)
+
+  def chunked_output(self, x_BTD: jax.Array, chunk_tokens: int, attend) -> jax.Array:
+    """o_proj(attention) of a prompt a query chunk at a time: `attend(x_BCD, start, end)` gives
+    the chunk's attention output [B, C, Hq, D] (`chunking.span_outputs`)."""
+    def chunk(start, size):
+      x_BCD = jax.lax.dynamic_slice_in_dim(x_BTD, start, size, axis=1)
+      return self.output(attend(x_BCD, start, start + size))
+    return chunking.span_outputs(chunk, jnp.zeros_like(x_BTD), chunk_tokens)
 
   def roped_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array, theta: float
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -79,22 +92,45 @@ class Attention(nnx.Module):
     return self.proj.output(o_BTHD)
 
   def prefill(self, x_BTD: jax.Array, cache, ctx: StepContext):
-    """The layer over a left-padded prompt (pads invisible) and the cache after it."""
+    """The layer over a left-padded prompt (pads invisible) and the cache after it. With
+    `ctx.chunk_tokens` the queries (projection, attention, o_proj) go a chunk at a time against
+    the whole prompt's keys, except into an eviction cache, which scores every query."""
     attn = self.config
+    length = x_BTD.shape[1]
+    if (ctx.chunk_tokens is not None and length > ctx.chunk_tokens
+        and not isinstance(cache, eviction.EvictionCache)):
+      positions_BT = ctx.real_positions_BT
+      k_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
+      k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
+      keys = tuple(chunking.front_padded(a) for a in (k_BTKD, v_BTKD, ctx.valid_BT))
+
+      def attend(x_BCD, start, end):
+        q_BCHD = apply_rope(self.proj.queries(x_BCD), jax.lax.dynamic_slice_in_dim(
+            positions_BT, start, x_BCD.shape[1], axis=1), attn.rope_theta)
+        k_BSKD, v_BSKD, valid_BS = (chunking.keys_ending_at(a, end) for a in keys)
+        return masked_attention(q_BCHD, k_BSKD, v_BSKD, window_size=attn.window_size,
+                                key_valid_BS=valid_BS, implementation=attn.implementation)
+
+      out_BTD = self.proj.chunked_output(x_BTD, ctx.chunk_tokens, attend)
+      return out_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
     q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, ctx.real_positions_BT, attn.rope_theta)
     o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,
                               key_valid_BS=ctx.valid_BT, implementation=attn.implementation)
     if isinstance(cache, eviction.EvictionCache):
       cache = eviction.eviction_prefill(cache, q_BTHD, k_BTKD, v_BTKD, ctx.valid_BT,
                                         ctx.pad_count_B)
-    elif attn.window_size is not None:
-      window = attn.window_size
-      cache = KVCache(k_BSKD=ring_from_prompt(k_BTKD, window).astype(cache.k_BSKD.dtype),
-                      v_BSKD=ring_from_prompt(v_BTKD, window).astype(cache.v_BSKD.dtype))
     else:
-      cache = KVCache(k_BSKD=write_prompt(cache.k_BSKD, k_BTKD),
-                      v_BSKD=write_prompt(cache.v_BSKD, v_BTKD))
+      cache = self._cache_from_prompt(cache, k_BTKD, v_BTKD)
     return self.proj.output(o_BTHD), cache
+
+  def _cache_from_prompt(self, cache: KVCache, k_BTKD: jax.Array, v_BTKD: jax.Array) -> KVCache:
+    """The SWA ring or the full cache holding the prompt's keys (after RoPE) and values."""
+    window = self.config.window_size
+    if window is not None:
+      return KVCache(k_BSKD=ring_from_prompt(k_BTKD, window).astype(cache.k_BSKD.dtype),
+                     v_BSKD=ring_from_prompt(v_BTKD, window).astype(cache.v_BSKD.dtype))
+    return KVCache(k_BSKD=write_prompt(cache.k_BSKD, k_BTKD),
+                   v_BSKD=write_prompt(cache.v_BSKD, v_BTKD))
 
   def decode(self, x_B1D: jax.Array, cache, ctx: StepContext):
     """One new token per row at padded index `ctx.position`; `cache` holds `GroupSlot` leaves."""

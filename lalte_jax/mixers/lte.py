@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference import lte_cache
+from lalte_jax.inference import chunking, lte_cache
 from lalte_jax.inference.caches import StepContext
 from lalte_jax.inference.lte_cache import LTECache
 from lalte_jax.layers.rope import apply_rope, default_positions
@@ -146,25 +146,39 @@ class LTEAttention(nnx.Module):
     Each prompt query attends to its window (w + 1 keys, padding excluded) plus the kept OOW set
     *at the end of the prompt* restricted to keys at least W older (§5.2 step 6, G24); below the
     cap this equals the training-time layer. Outputs at pads are zero; the cache's contents on
-    entry are ignored (a prompt starts a sequence).
+    entry are ignored (a prompt starts a sequence). With `ctx.chunk_tokens` the queries (their
+    projection, attention and o_proj) go a chunk at a time against the whole prompt's keys and
+    kept set: the same outputs.
     """
     lte = self.config
     real_BT = ctx.valid_BT
-    q_BTHD, k_pre_BTKD, v_BTKD = self.proj.qkv(x_BTD)
+    k_pre_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
     score_BTK = self.router(k_pre_BTKD, v_BTKD, mask_BT=real_BT)
     score_BTK = lte_cache.mark_sinks_and_padding(score_BTK, real_BT, lte.num_sinks)
     positions_BT = default_positions(*x_BTD.shape[:2])  # padded-tensor indices (G25)
-    q_BTHD = apply_rope(q_BTHD, positions_BT, lte.rope_theta)
     k_BTKD = apply_rope(k_pre_BTKD, positions_BT, lte.rope_theta)
     k_BTKD, v_BTKD = k_BTKD.astype(cache.k.dtype), v_BTKD.astype(cache.v.dtype)
     cache, kept_BTK = lte_cache.fill_from_prompt(cache, lte, k_BTKD, v_BTKD, score_BTK, real_BT)
+
     # Kept keys inside a query's window are visible anyway, so "kept, or within the window" is the
     # spec's "window plus kept keys with j <= t - W". Sinks are kept by their +inf score, so the
     # attention op's position-based sinks are off (with padding they are not at positions 0..s-1).
-    o_BTHD = masked_attention(
-        q_BTHD, k_BTKD, v_BTKD, window_size=lte.window_keys, num_sinks=0, kept_BSK=kept_BTK,
-        key_valid_BS=real_BT, implementation=lte.implementation)
-    out_BTD = self.proj.output(o_BTHD.astype(q_BTHD.dtype))
+    def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, kept_BSK, valid_BS):
+      q_BCHD = apply_rope(self.proj.queries(x_BCD), positions_BC, lte.rope_theta)
+      return masked_attention(
+          q_BCHD, k_BSKD, v_BSKD, window_size=lte.window_keys, num_sinks=0, kept_BSK=kept_BSK,
+          key_valid_BS=valid_BS, implementation=lte.implementation).astype(q_BCHD.dtype)
+
+    if ctx.chunk_tokens is None or x_BTD.shape[1] <= ctx.chunk_tokens:
+      out_BTD = self.proj.output(attend(x_BTD, positions_BT, k_BTKD, v_BTKD, kept_BTK, real_BT))
+    else:  # the queries a chunk at a time, against the whole prompt's keys
+      keys = tuple(chunking.front_padded(a) for a in (k_BTKD, v_BTKD, kept_BTK, real_BT))
+
+      def attend_chunk(x_BCD, start, end):
+        positions_BC = jax.lax.dynamic_slice_in_dim(positions_BT, start, x_BCD.shape[1], axis=1)
+        return attend(x_BCD, positions_BC, *(chunking.keys_ending_at(a, end) for a in keys))
+
+      out_BTD = self.proj.chunked_output(x_BTD, ctx.chunk_tokens, attend_chunk)
     return jnp.where(real_BT[:, :, None], out_BTD, jnp.zeros_like(out_BTD)), cache
 
   def decode(self, x_B1D: jax.Array, cache: LTECache, ctx: StepContext
