@@ -10,7 +10,11 @@ attention layers take the keys, values (and LTE's scores and kept set) of the wh
 their queries a chunk at a time (projection, attention against the keys up to the chunk's end,
 o_proj). The same computation as in one piece, so outputs and caches are unchanged (to rounding
 of the GDN state at the chunk boundaries). What still grows with the prompt: the residual stream
-between layers, the keys and values, and the NSA layers, which run whole.
+between layers, the keys and values, and the NSA layers, which run whole. A chunk's keys are the
+whole prompt's length, zeros (invalid) in front of the keys up to the chunk's end, because the
+attention ops align queries with the last keys: SWA and LTE kernels visit only the window's tiles
+and the kept list, but full attention also visits the zeros' tiles, about twice its work in
+one piece.
 
 `chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """
