@@ -45,11 +45,15 @@ def test_chunked_prefill_equals_the_whole_prompt(variant):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)  # infinities must match too
 
 
-def test_chunked_prefill_generates_the_same_tokens():
-  model = tiny_model("lalte")
-  prompts = [list(range(1, 60)), list(range(3, 40))]
-  want = gen.generate(model, prompts, 12)
-  got = gen.generate(model, prompts, 12, prefill_chunk_tokens=16)
+@pytest.mark.parametrize("variant, eviction", [
+    ("lalte", None), ("gdn_attn", gen.EvictionConfig("tova", cache_size=32))])
+def test_chunked_prefill_generates_the_same_tokens(variant, eviction):
+  """Greedy tokens with the prompt in chunks of 16; a TOVA cache (which scores every prompt query,
+  so its layers take the prompt whole) beside chunked GDN layers and MLPs."""
+  model = tiny_model(variant)
+  prompts = [list(range(1, 70)), list(range(3, 40))]
+  want = gen.generate(model, prompts, 12, eviction=eviction)
+  got = gen.generate(model, prompts, 12, eviction=eviction, prefill_chunk_tokens=16)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
