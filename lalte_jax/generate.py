@@ -93,7 +93,7 @@ def prefill(model, tokens, cache: ModelCache, pad_mask=None, *, all_logits: bool
   """Runs left-padded prompts `tokens` [B, T] through an empty cache (the cache is donated).
 
   pad_mask: [B, T] bool, True = real token, pads first in every row; None = no padding.
-  chunk_tokens: run the layers (but NSA's) over this many tokens at a time, so that the
+  chunk_tokens: run the layers over this many tokens at a time, so that the
     prefill's memory grows much less with the prompt (`lalte_jax.inference.chunking`; the same
     result); None: the whole prompt at once.
   Returns logits [B, V] float32 of each row's last token ([B, T, V] with `all_logits`) and the
@@ -297,7 +297,7 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, pad_mask=None, prompt
     the loop when every row has stopped.
   rng: a `jax.random.key`, required when temperature > 0.
   eviction: an `EvictionConfig` for the full-attention layers (TOVA / uniform, §7.1-7.2).
-  prefill_chunk_tokens: the prompt's layers (but NSA's) run over this many tokens at a time
+  prefill_chunk_tokens: the prompt's layers run over this many tokens at a time
     (`prefill`'s chunk_tokens: less memory for long prompts, the same tokens).
   Raises ValueError for empty prompts, ids outside the vocabulary, max_new_tokens < 1, or bad
   sampling or chunk arguments.

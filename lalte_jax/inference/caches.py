@@ -87,7 +87,7 @@ class StepContext:
   valid_BT: jax.Array  # bool: real token (False = left pad)
   pad_count_B: jax.Array  # [B] int32 left pads of each row
   position: jax.Array  # [] int32 padded index of this call's first token
-  # A prefill's chunk (lalte_jax.inference.chunking): its layers (but NSA's) run over this many
+  # A prefill's chunk (lalte_jax.inference.chunking): its layers run over this many
   # tokens at a time; None: the whole prompt at once.
   chunk_tokens: int | None = flax.struct.field(pytree_node=False, default=None)
 

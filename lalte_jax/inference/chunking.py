@@ -5,16 +5,18 @@ the prompt: the MLP's hidden activations, the GDN layers' projections and the ch
 per-chunk states, the attention layers' queries and outputs (tens of KB a token at 1.4b). With
 `chunk_tokens` (`StepContext.chunk_tokens`) the position-wise work (the MLP) runs over the prompt's
 tokens a chunk at a time; a GDN layer runs its whole mixer chunk by chunk, carrying the recurrent
-state and the short convolutions' last inputs from one chunk to the next; full, SWA and LTE
-attention layers take the keys, values (and LTE's scores and kept set) of the whole prompt, then
-their queries a chunk at a time (projection, attention against the keys up to the chunk's end,
-o_proj). The same computation as in one piece, so outputs and caches are unchanged (to rounding
-of the GDN state at the chunk boundaries). What still grows with the prompt: the residual stream
-between layers, the keys and values, and the NSA layers, which run whole. A chunk's keys are the
-whole prompt's length, zeros (invalid) in front of the keys up to the chunk's end, because the
-attention ops align queries with the last keys: SWA and LTE kernels visit only the window's tiles
-and the kept list, but full attention also visits the zeros' tiles, about twice its work in
-one piece.
+state and the short convolutions' last inputs from one chunk to the next; attention layers take
+the keys, values (and LTE's scores and kept set) of the whole prompt, then their queries a chunk
+at a time (projection, attention against the keys up to the chunk's end, o_proj), except a
+full-attention layer with an eviction cache, which scores every query at once. The same
+computation as in one piece, so outputs and caches are unchanged (to rounding of the GDN state
+at the chunk boundaries). What still grows with the prompt: the residual stream between layers
+and the keys and values. For full, SWA and LTE layers a chunk's keys have the whole prompt's
+length, zeros (invalid) in front of the keys up to the chunk's end, because the attention ops
+align queries with the last keys (so the loop is one compiled body): SWA and LTE kernels visit
+only the window's tiles and the kept list, but full attention also visits the zeros' tiles, about
+twice its work in one piece. NSA pools its blocks from position 0, so its chunks (a Python loop)
+take the keys up to their end as they are.
 
 `chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """

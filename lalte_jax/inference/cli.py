@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="training-free eviction for full-attention layers (§7.1-7.2)")
   parser.add_argument("--eviction-cache-size", type=int, default=1024)
   parser.add_argument("--prefill-chunk-tokens", type=int,
-                      help="run the prompt's layers (but NSA's) this many tokens at a time"
+                      help="run the prompt's layers this many tokens at a time"
                            " (less memory for long prompts, the same completion)")
   return parser
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference.caches import NSACache, StepContext, write_prompt
-from lalte_jax.layers.rope import default_positions
+from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.attention import AttentionProjections
 from lalte_jax.mixers.projections import input_projection
 from lalte_jax.sharding import per_shard
@@ -43,11 +43,15 @@ class NativeSparseAttention(nnx.Module):
                                      rngs=rngs)
     self.g_proj = input_projection(config, config.hidden_size, nsa.num_heads * 3, rngs)
 
-  def _qkv_gates(self, x_BTD: jax.Array, positions_BT: jax.Array):
-    """q, k after RoPE, v and the gates [B, T, Hq, 3]."""
+  def _qkv_gates(self, x_BTD: jax.Array, positions_BT: jax.Array, with_kv: bool = True):
+    """q, k after RoPE, v and the gates [B, T, Hq, 3]; k and v None without `with_kv`."""
     nsa = self.config
     batch, length = x_BTD.shape[:2]
-    q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, positions_BT, nsa.rope_theta)
+    if with_kv:
+      q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, positions_BT, nsa.rope_theta)
+    else:
+      q_BTHD = apply_rope(self.proj.queries(x_BTD), positions_BT, nsa.rope_theta)
+      k_BTKD = v_BTKD = None
     gates_BTH3 = jax.nn.sigmoid(self.g_proj(x_BTD)).reshape(batch, length, nsa.num_heads, 3)
     return q_BTHD, k_BTKD, v_BTKD, gates_BTH3
 
@@ -68,21 +72,38 @@ class NativeSparseAttention(nnx.Module):
               ) -> tuple[jax.Array, NSACache]:
     """NSA over the prompt with each row's real tokens moved to the front: block boundaries then
     count from the first real token, and the pads, now at the end, are invisible to the real
-    tokens by causality."""
+    tokens by causality. With `ctx.chunk_tokens` the queries go a chunk at a time (the same
+    outputs)."""
     nsa = self.config
+    length = x_BTD.shape[1]
     x_front_BTD = _shift_rows(x_BTD, ctx.pad_count_B)
-    q_BTHD, k_BTKD, v_BTKD, gates_BTH3 = self._qkv_gates(
-        x_front_BTD, default_positions(*x_BTD.shape[:2]))
-    o_front_BTHD = self._attention(q_BTHD, k_BTKD, v_BTKD, gates_BTH3)
-    o_BTHD = _shift_rows(o_front_BTHD, -ctx.pad_count_B)  # back to the left-padded layout
+    positions_BT = default_positions(*x_BTD.shape[:2])
+    if ctx.chunk_tokens is None or length <= ctx.chunk_tokens:
+      q_BTHD, k_BTKD, v_BTKD, gates_BTH3 = self._qkv_gates(x_front_BTD, positions_BT)
+      out_front_BTD = self.proj.output(self._attention(q_BTHD, k_BTKD, v_BTKD, gates_BTH3))
+    else:
+      # The queries a chunk at a time against the keys up to the chunk's end (a Python loop:
+      # the blocks are pooled from position 0, so each chunk's keys keep their length): the
+      # compressed branch's block importance [T, blocks] then grows with the chunk, not the prompt.
+      k_BTKD, v_BTKD = self.proj.keys_values(x_front_BTD)
+      k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
+      outs = []
+      for start in range(0, length, ctx.chunk_tokens):
+        end = min(start + ctx.chunk_tokens, length)
+        q_BCHD, _, _, gates_BCH3 = self._qkv_gates(x_front_BTD[:, start:end],
+                                                   positions_BT[:, start:end], with_kv=False)
+        outs.append(self.proj.output(self._attention(q_BCHD, k_BTKD[:, :end], v_BTKD[:, :end],
+                                                     gates_BCH3)))
+      out_front_BTD = jnp.concatenate(outs, axis=1)
+    out_BTD = _shift_rows(out_front_BTD, -ctx.pad_count_B)  # back to the left-padded layout
     # Slots past a row's length hold pad keys; each is overwritten before any query can see it.
     k_BSKD, v_BSKD = write_prompt(cache.k_BSKD, k_BTKD), write_prompt(cache.v_BSKD, v_BTKD)
     real_length_B = x_BTD.shape[1] - ctx.pad_count_B
     k_cmp_BNKD, v_cmp_BNKD = nsa_ops.compress_prompt(
         k_BSKD, v_BSKD, real_length_B, block_size=nsa.block_size,
         num_blocks=cache.k_cmp_BNKD.shape[1])
-    return self.proj.output(o_BTHD), NSACache(k_BSKD=k_BSKD, v_BSKD=v_BSKD,
-                                              k_cmp_BNKD=k_cmp_BNKD, v_cmp_BNKD=v_cmp_BNKD)
+    return out_BTD, NSACache(k_BSKD=k_BSKD, v_BSKD=v_BSKD, k_cmp_BNKD=k_cmp_BNKD,
+                             v_cmp_BNKD=v_cmp_BNKD)
 
   def decode(self, x_B1D: jax.Array, cache: NSACache, ctx: StepContext
              ) -> tuple[jax.Array, NSACache]:
