@@ -11,12 +11,12 @@ at a time (projection, attention against the keys up to the chunk's end, o_proj)
 full-attention layer with an eviction cache, which scores every query at once. The same
 computation as in one piece, so outputs and caches are unchanged (to rounding of the GDN state
 at the chunk boundaries). What still grows with the prompt: the residual stream between layers
-and the keys and values. For full, SWA and LTE layers a chunk's keys have the whole prompt's
-length, zeros (invalid) in front of the keys up to the chunk's end, because the attention ops
-align queries with the last keys (so the loop is one compiled body): SWA and LTE kernels visit
-only the window's tiles and the kept list, but full attention also visits the zeros' tiles, about
-twice its work in one piece. NSA pools its blocks from position 0, so its chunks (a Python loop)
-take the keys up to their end as they are.
+and the keys and values. For SWA and LTE layers a chunk's keys have the whole prompt's length,
+zeros (invalid) in front of the keys up to the chunk's end, because the attention ops align
+queries with the last keys: the loop is one compiled body, and their kernels visit only the
+window's tiles and the kept list. Full attention would also visit the zeros' tiles (about twice
+its work in one piece), and NSA pools its blocks from position 0, so their chunks take the keys
+up to their end as they are, in a Python loop (`unrolled_outputs`; one compiled body a chunk).
 
 `chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """
@@ -78,6 +78,14 @@ def span_outputs(fn: Callable[[jax.Array | int, int], jax.Array], out_BT_: jax.A
     return jax.lax.dynamic_update_slice_in_dim(out_BT_, fn(start, size), start, axis=1)
 
   return chunk_loop(body, out_BT_, out_BT_.shape[1], chunk_tokens)
+
+
+def unrolled_outputs(fn: Callable[[int, int], jax.Array], length: int,
+                     chunk_tokens: int) -> jax.Array:
+  """[B, length, ...]: fn(start, end) of each chunk, joined; a Python loop (static bounds), for
+  chunks whose computation depends on where they end (each chunk compiles its own body)."""
+  return jnp.concatenate([fn(start, min(start + chunk_tokens, length))
+                          for start in range(0, length, chunk_tokens)], axis=1)
 
 
 def front_padded(x_BS_: jax.Array) -> jax.Array:

@@ -102,16 +102,24 @@ class Attention(nnx.Module):
       positions_BT = ctx.real_positions_BT
       k_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
       k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
-      keys = tuple(chunking.front_padded(a) for a in (k_BTKD, v_BTKD, ctx.valid_BT))
 
-      def attend(x_BCD, start, end):
-        q_BCHD = apply_rope(self.proj.queries(x_BCD), jax.lax.dynamic_slice_in_dim(
-            positions_BT, start, x_BCD.shape[1], axis=1), attn.rope_theta)
-        k_BSKD, v_BSKD, valid_BS = (chunking.keys_ending_at(a, end) for a in keys)
+      def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, valid_BS):
+        q_BCHD = apply_rope(self.proj.queries(x_BCD), positions_BC, attn.rope_theta)
         return masked_attention(q_BCHD, k_BSKD, v_BSKD, window_size=attn.window_size,
                                 key_valid_BS=valid_BS, implementation=attn.implementation)
 
-      out_BTD = self.proj.chunked_output(x_BTD, ctx.chunk_tokens, attend)
+      if attn.window_size is None:  # the keys up to each chunk's end (chunking's docstring)
+        out_BTD = chunking.unrolled_outputs(lambda start, end: self.proj.output(attend(
+            x_BTD[:, start:end], positions_BT[:, start:end], k_BTKD[:, :end], v_BTKD[:, :end],
+            ctx.valid_BT[:, :end])), length, ctx.chunk_tokens)
+      else:
+        keys = tuple(chunking.front_padded(a) for a in (k_BTKD, v_BTKD, ctx.valid_BT))
+
+        def attend_chunk(x_BCD, start, end):
+          positions_BC = jax.lax.dynamic_slice_in_dim(positions_BT, start, x_BCD.shape[1], axis=1)
+          return attend(x_BCD, positions_BC, *(chunking.keys_ending_at(a, end) for a in keys))
+
+        out_BTD = self.proj.chunked_output(x_BTD, ctx.chunk_tokens, attend_chunk)
       return out_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
     q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, ctx.real_positions_BT, attn.rope_theta)
     o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,

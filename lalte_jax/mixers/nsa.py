@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
+from lalte_jax.inference import chunking
 from lalte_jax.inference.caches import NSACache, StepContext, write_prompt
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.attention import AttentionProjections
@@ -82,19 +83,19 @@ class NativeSparseAttention(nnx.Module):
       q_BTHD, k_BTKD, v_BTKD, gates_BTH3 = self._qkv_gates(x_front_BTD, positions_BT)
       out_front_BTD = self.proj.output(self._attention(q_BTHD, k_BTKD, v_BTKD, gates_BTH3))
     else:
-      # The queries a chunk at a time against the keys up to the chunk's end (a Python loop:
-      # the blocks are pooled from position 0, so each chunk's keys keep their length): the
-      # compressed branch's block importance [T, blocks] then grows with the chunk, not the prompt.
+      # The queries a chunk at a time against the keys up to the chunk's end (blocks are pooled
+      # from position 0, so the keys keep their places): the compressed branch's block importance
+      # [T, blocks] then grows with the chunk, not the prompt.
       k_BTKD, v_BTKD = self.proj.keys_values(x_front_BTD)
       k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
-      outs = []
-      for start in range(0, length, ctx.chunk_tokens):
-        end = min(start + ctx.chunk_tokens, length)
+
+      def chunk(start, end):
         q_BCHD, _, _, gates_BCH3 = self._qkv_gates(x_front_BTD[:, start:end],
                                                    positions_BT[:, start:end], with_kv=False)
-        outs.append(self.proj.output(self._attention(q_BCHD, k_BTKD[:, :end], v_BTKD[:, :end],
-                                                     gates_BCH3)))
-      out_front_BTD = jnp.concatenate(outs, axis=1)
+        return self.proj.output(self._attention(q_BCHD, k_BTKD[:, :end], v_BTKD[:, :end],
+                                                gates_BCH3))
+
+      out_front_BTD = chunking.unrolled_outputs(chunk, length, ctx.chunk_tokens)
     out_BTD = _shift_rows(out_front_BTD, -ctx.pad_count_B)  # back to the left-padded layout
     # Slots past a row's length hold pad keys; each is overwritten before any query can see it.
     k_BSKD, v_BSKD = write_prompt(cache.k_BSKD, k_BTKD), write_prompt(cache.v_BSKD, v_BTKD)
