@@ -73,8 +73,9 @@ def per_batch_shard(kernel: Callable[..., jax.Array], batched: tuple[jax.Array, 
                     whole: tuple[jax.Array, ...], *, batch_axis: int) -> jax.Array:
   """`kernel(*batched, *whole, row_offset=...)` per batch shard of the current mesh: the `batched`
   operands and the output split along `batch_axis` over the batch axes, the `whole` operands
-  (arrays or pytrees of them, None included) on every device, and `row_offset` the global index of the shard's first row (int32; 0 unsharded),
-  for kernels whose results depend on it (the LTE router's dropout masks hash the global row).
+  (arrays or pytrees of them, None included) on every device, and `row_offset` the global index
+  of the shard's first row (int32; 0 unsharded), for kernels whose results depend on it (the LTE
+  router's dropout masks hash the global row).
   The "tensor" axis splits nothing here (each of its devices computes the same rows). Without a
   mesh, or when the batch does not divide over the batch axes, the kernel is called directly."""
   mesh = jax.sharding.get_abstract_mesh()

@@ -53,12 +53,29 @@ class AttentionProjections(nnx.Module):
     shape = (*x_BTD.shape[:2], self.num_kv_heads, self.head_dim)
     return self.k_proj(x_BTD).reshape(shape), self.v_proj(x_BTD).reshape(shape)
 
-  def chunked_output(self, x_BTD: jax.Array, chunk_tokens: int, attend) -> jax.Array:
-    """o_proj(attention) of a prompt a query chunk at a time: `attend(x_BCD, start, end)` gives
-    the chunk's attention output [B, C, Hq, D] (`chunking.span_outputs`)."""
+  def prompt_output(self, x_BTD: jax.Array, positions_BT: jax.Array, keys: tuple,
+                    chunk_tokens: int | None, attend, *, unrolled: bool = False) -> jax.Array:
+    """o_proj(attend(x, positions, *keys)) of a prompt: `attend` gives the attention output
+    [B, C, Hq, D] of C queries against `keys` (whole-prompt arrays [B, T, ...]). With
+    `chunk_tokens` the queries go that many at a time against the keys up to their chunk's end
+    (`lalte_jax.inference.chunking`): one compiled body over front-padded keys, or with
+    `unrolled` a Python loop over the keys as they are (full attention, NSA)."""
+    length = x_BTD.shape[1]
+    run = lambda x_BCD, positions_BC, keys: self.output(attend(x_BCD, positions_BC, *keys))
+    if chunk_tokens is None or length <= chunk_tokens:
+      return run(x_BTD, positions_BT, keys)
+    if unrolled:
+      return chunking.unrolled_outputs(
+          lambda start, end: run(x_BTD[:, start:end], positions_BT[:, start:end],
+                                 tuple(a[:, :end] for a in keys)), length, chunk_tokens)
+    padded = tuple(chunking.front_padded(a) for a in keys)
+
     def chunk(start, size):
-      x_BCD = jax.lax.dynamic_slice_in_dim(x_BTD, start, size, axis=1)
-      return self.output(attend(x_BCD, start, start + size))
+      x_BCD, positions_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+                             for a in (x_BTD, positions_BT))
+      return run(x_BCD, positions_BC,
+                 tuple(chunking.keys_ending_at(a, start + size) for a in padded))
+
     return chunking.span_outputs(chunk, jnp.zeros_like(x_BTD), chunk_tokens)
 
   def roped_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array, theta: float
@@ -96,40 +113,27 @@ class Attention(nnx.Module):
     `ctx.chunk_tokens` the queries (projection, attention, o_proj) go a chunk at a time against
     the whole prompt's keys, except into an eviction cache, which scores every query."""
     attn = self.config
-    length = x_BTD.shape[1]
-    if (ctx.chunk_tokens is not None and length > ctx.chunk_tokens
-        and not isinstance(cache, eviction.EvictionCache)):
-      positions_BT = ctx.real_positions_BT
-      k_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
-      k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
-
-      def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, valid_BS):
-        q_BCHD = apply_rope(self.proj.queries(x_BCD), positions_BC, attn.rope_theta)
-        return masked_attention(q_BCHD, k_BSKD, v_BSKD, window_size=attn.window_size,
-                                key_valid_BS=valid_BS, implementation=attn.implementation)
-
-      if attn.window_size is None:  # the keys up to each chunk's end (chunking's docstring)
-        out_BTD = chunking.unrolled_outputs(lambda start, end: self.proj.output(attend(
-            x_BTD[:, start:end], positions_BT[:, start:end], k_BTKD[:, :end], v_BTKD[:, :end],
-            ctx.valid_BT[:, :end])), length, ctx.chunk_tokens)
-      else:
-        keys = tuple(chunking.front_padded(a) for a in (k_BTKD, v_BTKD, ctx.valid_BT))
-
-        def attend_chunk(x_BCD, start, end):
-          positions_BC = jax.lax.dynamic_slice_in_dim(positions_BT, start, x_BCD.shape[1], axis=1)
-          return attend(x_BCD, positions_BC, *(chunking.keys_ending_at(a, end) for a in keys))
-
-        out_BTD = self.proj.chunked_output(x_BTD, ctx.chunk_tokens, attend_chunk)
-      return out_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
-    q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, ctx.real_positions_BT, attn.rope_theta)
-    o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,
-                              key_valid_BS=ctx.valid_BT, implementation=attn.implementation)
     if isinstance(cache, eviction.EvictionCache):
+      q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, ctx.real_positions_BT,
+                                                   attn.rope_theta)
+      o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,
+                                key_valid_BS=ctx.valid_BT, implementation=attn.implementation)
       cache = eviction.eviction_prefill(cache, q_BTHD, k_BTKD, v_BTKD, ctx.valid_BT,
                                         ctx.pad_count_B)
-    else:
-      cache = self._cache_from_prompt(cache, k_BTKD, v_BTKD)
-    return self.proj.output(o_BTHD), cache
+      return self.proj.output(o_BTHD), cache
+    positions_BT = ctx.real_positions_BT
+    k_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
+    k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
+
+    def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, valid_BS):
+      q_BCHD = apply_rope(self.proj.queries(x_BCD), positions_BC, attn.rope_theta)
+      return masked_attention(q_BCHD, k_BSKD, v_BSKD, window_size=attn.window_size,
+                              key_valid_BS=valid_BS, implementation=attn.implementation)
+
+    out_BTD = self.proj.prompt_output(x_BTD, positions_BT, (k_BTKD, v_BTKD, ctx.valid_BT),
+                                      ctx.chunk_tokens, attend,
+                                      unrolled=attn.window_size is None)
+    return out_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
 
   def _cache_from_prompt(self, cache: KVCache, k_BTKD: jax.Array, v_BTKD: jax.Array) -> KVCache:
     """The SWA ring or the full cache holding the prompt's keys (after RoPE) and values."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference import chunking, lte_cache
+from lalte_jax.inference import lte_cache
 from lalte_jax.inference.caches import StepContext
 from lalte_jax.inference.lte_cache import LTECache
 from lalte_jax.layers.rope import apply_rope, default_positions
@@ -169,16 +169,8 @@ class LTEAttention(nnx.Module):
           q_BCHD, k_BSKD, v_BSKD, window_size=lte.window_keys, num_sinks=0, kept_BSK=kept_BSK,
           key_valid_BS=valid_BS, implementation=lte.implementation).astype(q_BCHD.dtype)
 
-    if ctx.chunk_tokens is None or x_BTD.shape[1] <= ctx.chunk_tokens:
-      out_BTD = self.proj.output(attend(x_BTD, positions_BT, k_BTKD, v_BTKD, kept_BTK, real_BT))
-    else:  # the queries a chunk at a time, against the whole prompt's keys
-      keys = tuple(chunking.front_padded(a) for a in (k_BTKD, v_BTKD, kept_BTK, real_BT))
-
-      def attend_chunk(x_BCD, start, end):
-        positions_BC = jax.lax.dynamic_slice_in_dim(positions_BT, start, x_BCD.shape[1], axis=1)
-        return attend(x_BCD, positions_BC, *(chunking.keys_ending_at(a, end) for a in keys))
-
-      out_BTD = self.proj.chunked_output(x_BTD, ctx.chunk_tokens, attend_chunk)
+    out_BTD = self.proj.prompt_output(x_BTD, positions_BT, (k_BTKD, v_BTKD, kept_BTK, real_BT),
+                                      ctx.chunk_tokens, attend)
     return jnp.where(real_BT[:, :, None], out_BTD, jnp.zeros_like(out_BTD)), cache
 
   def decode(self, x_B1D: jax.Array, cache: LTECache, ctx: StepContext

@@ -70,10 +70,6 @@ class LTERouter(nnx.Module):
     if dropout_key is not None and lte.router_dropout > 0:
       seeds = jnp.stack([counter_hash.seed_words(key) for key in
                          jax.random.split(dropout_key, len(self.conv_weights))])
-    # The router op has only its XLA version. `LTEConfig.implementation` is model-wide (it picks
-    # the attention ops' versions too): "xla" passes through, any other name ("pallas", "cudnn")
-    # leaves the router on its default, which is XLA, instead of the op's NotImplementedError.
-    implementation = "xla" if lte.implementation == "xla" else None
     params = (tuple(w[...].astype(dtype) for w in self.conv_weights),
               tuple(b[...] for b in self.conv_biases), self.proj_weight[...], self.proj_bias[...],
               seeds)
@@ -82,7 +78,7 @@ class LTERouter(nnx.Module):
       return router_logits(
           k_BTKD, v_BTKD, weights, biases, proj_weight, proj_bias, seeds,
           dilations=lte.router_dilations, rate=lte.router_dropout, mask_BT=mask_BT,
-          row_offset=row_offset, implementation=implementation)
+          row_offset=row_offset)  # its only version, whatever the model's `implementation`
 
     if mask_BT is None:  # training: the router runs per batch shard under a mesh
       logit_BTK = per_batch_shard(logits, (k_BTKD, v_BTKD), params, batch_axis=0)

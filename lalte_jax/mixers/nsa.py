@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lalte_jax.config import ModelConfig
-from lalte_jax.inference import chunking
 from lalte_jax.inference.caches import NSACache, StepContext, write_prompt
 from lalte_jax.layers.rope import apply_rope, default_positions
 from lalte_jax.mixers.attention import AttentionProjections
@@ -44,17 +43,21 @@ class NativeSparseAttention(nnx.Module):
                                      rngs=rngs)
     self.g_proj = input_projection(config, config.hidden_size, nsa.num_heads * 3, rngs)
 
-  def _qkv_gates(self, x_BTD: jax.Array, positions_BT: jax.Array, with_kv: bool = True):
-    """q, k after RoPE, v and the gates [B, T, Hq, 3]; k and v None without `with_kv`."""
-    nsa = self.config
+  def _qkv_gates(self, x_BTD: jax.Array, positions_BT: jax.Array):
+    """q, k after RoPE, v and the gates [B, T, Hq, 3]."""
+    q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, positions_BT, self.config.rope_theta)
+    return q_BTHD, k_BTKD, v_BTKD, self._gates(x_BTD)
+
+  def _queries_gates(self, x_BCD: jax.Array, positions_BC: jax.Array, k_BSKD: jax.Array,
+                     v_BSKD: jax.Array):
+    """`_qkv_gates` of C queries with the given keys (after RoPE) and values."""
+    q_BCHD = apply_rope(self.proj.queries(x_BCD), positions_BC, self.config.rope_theta)
+    return q_BCHD, k_BSKD, v_BSKD, self._gates(x_BCD)
+
+  def _gates(self, x_BTD: jax.Array) -> jax.Array:
+    """The branch gates [B, T, Hq, 3], sigmoided."""
     batch, length = x_BTD.shape[:2]
-    if with_kv:
-      q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, positions_BT, nsa.rope_theta)
-    else:
-      q_BTHD = apply_rope(self.proj.queries(x_BTD), positions_BT, nsa.rope_theta)
-      k_BTKD = v_BTKD = None
-    gates_BTH3 = jax.nn.sigmoid(self.g_proj(x_BTD)).reshape(batch, length, nsa.num_heads, 3)
-    return q_BTHD, k_BTKD, v_BTKD, gates_BTH3
+    return jax.nn.sigmoid(self.g_proj(x_BTD)).reshape(batch, length, self.config.num_heads, 3)
 
   def _attention(self, q_BTHD, k_BTKD, v_BTKD, gates_BTH3) -> jax.Array:
     nsa = self.config
@@ -76,26 +79,18 @@ class NativeSparseAttention(nnx.Module):
     tokens by causality. With `ctx.chunk_tokens` the queries go a chunk at a time (the same
     outputs)."""
     nsa = self.config
-    length = x_BTD.shape[1]
     x_front_BTD = _shift_rows(x_BTD, ctx.pad_count_B)
     positions_BT = default_positions(*x_BTD.shape[:2])
-    if ctx.chunk_tokens is None or length <= ctx.chunk_tokens:
-      q_BTHD, k_BTKD, v_BTKD, gates_BTH3 = self._qkv_gates(x_front_BTD, positions_BT)
-      out_front_BTD = self.proj.output(self._attention(q_BTHD, k_BTKD, v_BTKD, gates_BTH3))
-    else:
-      # The queries a chunk at a time against the keys up to the chunk's end (blocks are pooled
-      # from position 0, so the keys keep their places): the compressed branch's block importance
-      # [T, blocks] then grows with the chunk, not the prompt.
-      k_BTKD, v_BTKD = self.proj.keys_values(x_front_BTD)
-      k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
+    k_BTKD, v_BTKD = self.proj.keys_values(x_front_BTD)
+    k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
 
-      def chunk(start, end):
-        q_BCHD, _, _, gates_BCH3 = self._qkv_gates(x_front_BTD[:, start:end],
-                                                   positions_BT[:, start:end], with_kv=False)
-        return self.proj.output(self._attention(q_BCHD, k_BTKD[:, :end], v_BTKD[:, :end],
-                                                gates_BCH3))
+    def attend(x_BCD, positions_BC, k_BSKD, v_BSKD):
+      return self._attention(*self._queries_gates(x_BCD, positions_BC, k_BSKD, v_BSKD))
 
-      out_front_BTD = chunking.unrolled_outputs(chunk, length, ctx.chunk_tokens)
+    # In chunks, blocks are pooled from position 0, so each chunk takes the keys up to its end as
+    # they are: the compressed branch's block importance [T, blocks] grows with the chunk.
+    out_front_BTD = self.proj.prompt_output(x_front_BTD, positions_BT, (k_BTKD, v_BTKD),
+                                            ctx.chunk_tokens, attend, unrolled=True)
     out_BTD = _shift_rows(out_front_BTD, -ctx.pad_count_B)  # back to the left-padded layout
     # Slots past a row's length hold pad keys; each is overwritten before any query can see it.
     k_BSKD, v_BSKD = write_prompt(cache.k_BSKD, k_BTKD), write_prompt(cache.v_BSKD, v_BTKD)

@@ -10,8 +10,9 @@ in float32. Forms that XLA ran slower (one H200, lalte-0.4b router at B4 T4096, 
 backward): a grouped `lax.conv_general_dilated` over token-major channels, the reference model's
 form, 7.5x; the taps' shifted inputs in one matmul, 2.3x; the taps in float32, 1.7x.
 
-Each pre-activation (conv + bias) is named ROUTER_ACTIVATION, which the remat policy "attention"
-saves: the backward then recomputes no convolution, only the SiLU and the dropout masks.
+Each pre-activation (conv + bias) is named ROUTER_ACTIVATION, which the remat policies
+"attention" and "dots_attention" save: the backward then recomputes no convolution, only the
+SiLU and the dropout masks.
 """
 
 from __future__ import annotations
