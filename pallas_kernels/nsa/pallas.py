@@ -22,7 +22,7 @@ from pallas_kernels.nsa import reference, selection
 from pallas_kernels.nsa.pallas_compressed import compressed_attention
 from pallas_kernels.nsa.pallas_selected import selected_attention
 from pallas_kernels.nsa.tiling import NSABlockSizes, check_supported, make_problem
-from pallas_kernels.pallas_common import interpret_mode
+from pallas_kernels.pallas_common import interpret_mode, save_kernel_outputs
 
 __all__ = ["nsa_attention"]
 
@@ -68,8 +68,9 @@ def nsa_attention(
       for x in (k_BTKD, v_BTKD))
   o_cmp_BTHD, importance_BTKN = compressed_attention(
       problem, block_sizes, _pad_rows(q_BTHD, problem.padded_query_len), k_cmp_BNKD, v_cmp_BNKD)
-  indices_BTKS, counts_BTK = selection.select_top_blocks(importance_BTKN[:, :query_len],
-                                                         block_count)
+  # Saved by the remat policies that keep kernel outputs: the backward then needs no top_k.
+  indices_BTKS, counts_BTK = save_kernel_outputs(
+      *selection.select_top_blocks(importance_BTKN[:, :query_len], block_count))
   o_slc_BTHD = selected_attention(problem, block_sizes, q_BTHD, k_pad_BTKD, v_pad_BTKD,
                                   indices_BTKS, counts_BTK)
   o_swa_BTHD = masked_attention_pallas.masked_attention(

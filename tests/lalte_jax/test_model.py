@@ -130,7 +130,7 @@ def test_remat_policies_give_the_same_gradients(preset, kernels):
 
 def test_attention_remat_keeps_the_kernels_outputs(capsys):
   """Under the "attention" policy the backward pass reads the NSA forward kernels' outputs (the
-  output and logsumexp of the window, compressed and selected branches, and the importance)
+  output and logsumexp of the window, compressed and selected branches, and the selection)
   instead of running the kernels again; under "block" it keeps none of them."""
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((1, 48, 4, 16)), jnp.float32)
@@ -149,9 +149,11 @@ def test_attention_remat_keeps_the_kernels_outputs(capsys):
                    if "output of jitted function 'nsa_attention'" in line]
   assert kept["block"] == []
   # window and selected: o [1, 48, 4, 16], lse [1, 48, 4]; compressed (padded to its tiles):
-  # o [1, 64, 4, 16], lse [1, 4, 64], importance [1, 48, 2, 64].
+  # o [1, 64, 4, 16], lse [1, 4, 64]; the selection: indices [1, 48, 2, 2], counts [1, 48, 2]
+  # (kept instead of the importance, so that the backward pass runs no top_k).
   assert sorted(kept["attention"]) == sorted(
-      ["f32[1,48,4,16]", "f32[1,48,4]"] * 2 + ["f32[1,64,4,16]", "f32[1,4,64]", "f32[1,48,2,64]"])
+      ["f32[1,48,4,16]", "f32[1,48,4]"] * 2 + ["f32[1,64,4,16]", "f32[1,4,64]", "i32[1,48,2,2]",
+                                               "i32[1,48,2]"])
 
 
 def test_untied_head_is_used():
