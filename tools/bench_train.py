@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   # been fastest before; "dots" +3.9% / +2.3% / -1.2%; "none" -13% to -14% at 52-59 GiB;
   # docs/benchmarks.md, section 5).
   parser.add_argument("--remat", default="dots_attention", choices=REMAT_POLICIES)
+  parser.add_argument("--scan_layers", default="true", choices=("true", "false"),
+                      help="TrainConfig.scan_layers: the layer groups as one lax.scan (true) or"
+                           " unrolled (false: no stacked per-layer buffers, a longer compile)")
+  parser.add_argument("--xla_flags", default="",
+                      help="flags added to XLA_FLAGS for the step (they replace a setting of the"
+                           " same flag there), e.g. --xla_flags=--xla_gpu_enable_dynamic_slice_"
+                           "fusion=true; recorded in each result")
   parser.add_argument("--lte_kept_fraction", type=float, default=None,
                       help="shift the LTE routers' output biases so that this fraction of the"
                            " tokens is kept per layer and head on the bench batch (the state the"
@@ -163,7 +170,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
                        data="mqar", seq_len=args.seq_len, num_train_examples=global_batch,
                        global_batch_size=global_batch, grad_accum_steps=args.grad_accum,
                        loss_chunk_tokens=args.loss_chunk_tokens, steps=1000, warmup_steps=10,
-                       mesh_fsdp=args.mesh_fsdp,
+                       mesh_fsdp=args.mesh_fsdp, scan_layers=args.scan_layers == "true",
                        peak_tflops_per_device=args.peak_tflops, progress_bar=False,
                        tensorboard=False)
   if args.implementation is not None:
@@ -173,6 +180,8 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
   result = {"preset": preset, "implementation": args.implementation or "default",
             "seq_len": args.seq_len, "batch_per_device": args.batch,
             "grad_accum": args.grad_accum, "global_batch": global_batch, "remat": args.remat,
+            "scan_layers": args.scan_layers == "true",
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "loss_chunk_tokens": args.loss_chunk_tokens,
             "lte_kept_fraction_set": args.lte_kept_fraction,
             "dtype": args.dtype, "mesh_fsdp": args.mesh_fsdp, "devices": jax.device_count(),
@@ -343,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   if args.mem_fraction is not None:  # read when JAX starts its GPU client (here or in children)
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+  if args.xla_flags:  # likewise read when JAX starts a backend, which no import here has done
+    xla_flags.apply(*args.xla_flags.split(), replace=True)
   child_argv = _argv_without_presets(argv)
   results = []
   for preset in args.presets:

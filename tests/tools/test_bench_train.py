@@ -21,12 +21,13 @@ def test_tiny_preset_runs_and_reports(tmp_path, children):
   done = children.run(
       [sys.executable, str(SCRIPT), "--presets", "lalte-tiny", "--seq_len", "64", "--steps", "2",
        "--warmup", "1", "--batch", "2", "--grad_accum", "2", "--remat", "block",
-       "--profile", "--profile_steps", "1", "--json", str(output)],
+       "--scan_layers", "false", "--profile", "--profile_steps", "1", "--json", str(output)],
       cwd=tmp_path, env=env, timeout=900)
   assert done.returncode == 0, done.stderr[-4000:]
   (result,) = json.loads(output.read_text())
   assert result["status"] == "ok", result
   assert result["preset"] == "lalte-tiny" and result["global_batch"] == 4  # 2 x 1 device x 2
+  assert result["scan_layers"] is False
   assert len(result["step_times_s"]) == 2 and result["step_time_s"] > 0
   assert result["tokens_per_s"] == pytest.approx(4 * 64 / result["step_time_s"])
   assert result["compile_s"] > 0 and result["flops_per_token"] > 0
@@ -60,6 +61,24 @@ def test_children_get_the_flags_but_one_preset_and_one_batch():
   argv = ["--presets", "a-tiny", "b-tiny", "--batch", "2", "4", "--json", "x.json",
           "--remat=dots", "--in_process", "--batch=8"]
   assert bench._argv_without_presets(argv) == ["--remat=dots"]  # pylint: disable=protected-access
+
+
+def test_xla_flags_reach_the_environment_and_the_results(monkeypatch):
+  """--xla_flags replaces a setting of the same flag in XLA_FLAGS before any backend starts (the
+  children inherit it), and every result records the flags its step ran with."""
+  bench = load_tool("bench_train")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=false --xla_other=1")
+  seen = {}
+
+  def fake_bench(preset, args):
+    seen["flags"] = bench.os.environ["XLA_FLAGS"]
+    return {"preset": preset, "status": "ok", "batch_per_device": args.batch, "grad_accum": 1,
+            "remat": args.remat, "seq_len": args.seq_len, "tokens_per_s": 1.0,
+            "scan_layers": args.scan_layers == "true"}
+  monkeypatch.setattr(bench, "bench_preset", fake_bench)
+  assert bench.main(["--presets", "x-tiny", "--in_process", "--scan_layers", "false",
+                     "--xla_flags=--xla_gpu_enable_dynamic_slice_fusion=true"]) == 0
+  assert seen["flags"].split() == ["--xla_other=1", "--xla_gpu_enable_dynamic_slice_fusion=true"]
 
 
 def test_batch_sweep_stops_at_the_first_out_of_memory_and_marks_the_fastest(monkeypatch, capsys,
