@@ -30,9 +30,9 @@
 #              1, 2, 4 (the fastest marked) (~7 min)
 #   remat      the 0.4b presets' training step under the remat policies attention, dots and
 #              dots_attention (4 sequences per GPU, routers at 12.5% kept; ~4 min)
-#   layercopies the 0.4b pair's step scanned, unrolled and with XLA's dynamic-slice fusion (the
-#              copies into and out of the scan's per-layer buffers), then the unrolled step
-#              profiled (~9 min)
+#   layercopies the 0.4b pair's step scanned, with XLA's dynamic-slice fusion (with and without
+#              command buffers) and unrolled: the copies into and out of the scan's per-layer
+#              buffers (~6 min a round; --budget 560 keeps the first)
 #   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
 #              of gdn-1.4b, gdn_swa-1.4b and lalte-1.4b (tools/bench_serving.py; ~5 min)
 #   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
@@ -220,19 +220,20 @@ case "$stage" in
     ;;
   layercopies)
     # The scanned layer groups' per-layer buffers (the saved activations stacked over the
-    # groups): the step as it is, its groups unrolled, and XLA's dynamic-slice fusion (library
-    # GEMMs reading and writing their slice of a stacked buffer in place instead of through a
-    # copy); two rounds in alternation, then the unrolled step's GPU time by op class.
+    # groups): the step as it is, XLA's dynamic-slice fusion (library GEMMs reading and writing
+    # their slice of a stacked buffer in place instead of through a copy), the same without
+    # command buffers (which can keep XLA from that fusion), and the groups unrolled; rounds in
+    # alternation (the second is cut by --budget on a 10-minute slot).
     train=(python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 4 --steps 5
            --warmup 2 --lte_kept_fraction 0.125)
+    fusion=--xla_gpu_enable_dynamic_slice_fusion=true
     for round in 1 2; do
       step 90 "${train[@]}" --json "$dest/scanned_$round.json"
+      step 90 "${train[@]}" --xla_flags="$fusion" --json "$dest/dsfusion_$round.json"
+      step 90 "${train[@]}" --xla_flags="$fusion --xla_gpu_enable_command_buffer=" \
+        --json "$dest/dsfusion_nographs_$round.json"
       step 150 "${train[@]}" --scan_layers false --json "$dest/unrolled_$round.json"
-      step 90 "${train[@]}" --xla_flags=--xla_gpu_enable_dynamic_slice_fusion=true \
-        --json "$dest/dsfusion_$round.json"
     done
-    step 200 "${train[@]}" --scan_layers false --profile --profile_steps 2 \
-      --json "$dest/unrolled_profile.json"
     ;;
   longprompt)
     # XLA's memory analysis of the compiled prefill and decode step gives each row's memory.
