@@ -30,6 +30,8 @@
 #              1, 2, 4 (the fastest marked) (~7 min)
 #   remat      the 0.4b presets' training step under the remat policies attention, dots and
 #              dots_attention (4 sequences per GPU, routers at 12.5% kept; ~4 min)
+#   decodeflags the 1.4b decode step and `generate` with XLA's programmatic dependent launch and
+#              with concurrent CUDA-graph regions, each beside the default (~8 min)
 #   layercopies the 0.4b pair's step scanned, with XLA's dynamic-slice fusion (with and without
 #              command buffers) and unrolled: the copies into and out of the scan's per-layer
 #              buffers (~6 min a round; --budget 560 keeps the first)
@@ -60,7 +62,7 @@
 #              same GPUs (~8 min)
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|longprompt|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|layercopies|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -76,7 +78,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|longprompt|anchors|serving|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|layercopies|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -295,6 +297,19 @@ case "$stage" in
     step 580 python3 tools/bench_serving.py \
       ${SERVING_ARGS:---presets lalte-1.4b gdn_swa-1.4b gdn-1.4b --batches 32 1 --prompts 4096} \
       --json "$dest/serving.json"
+    ;;
+  decodeflags)
+    # XLA's launch-overlap options on the decode step and `generate`: programmatic dependent
+    # launch (a kernel's start overlapping its predecessor's tail, Hopper) and concurrent regions
+    # in the CUDA graphs, each against the step as it is, in alternation; lalte-1.4b and
+    # gdn_swa-1.4b at batch 32 and 1 after a 4K prompt.
+    serving=(python3 tools/bench_serving.py --presets lalte-1.4b gdn_swa-1.4b --batches 32 1
+             --prompts 4096 --steps 10 --warmup 3 --prefill-iters 1 --generate 129 256)
+    for flags in "" --xla_gpu_enable_pdl=true "" --xla_gpu_graph_enable_concurrent_region=true; do
+      name=${flags:-default}; name=${name#--}; name=${name%%=*}
+      step 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" "${serving[@]}" \
+        --json "$dest/serving_${name}_$(date +%s).json"
+    done
     ;;
   genloop)
     # Where `generate`'s loop spends more per step than decode steps sent back to back: the GPU
