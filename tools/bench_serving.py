@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -403,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
   del copy
   report = {"command": "python tools/bench_serving.py " + " ".join(argv or sys.argv[1:]),
             "device_kind": jax.devices()[0].device_kind, "copy_gb_per_s": copy_gbs,
-            "copy_gb_per_s_synchronous": synchronous_gbs, "rows": []}
+            "copy_gb_per_s_synchronous": synchronous_gbs,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
 
   def write() -> None:
     if args.json:

@@ -78,6 +78,7 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
                      "--json", str(output)]) == 0
   report = json.loads(output.read_text())
   assert report["copy_gb_per_s"] > 0 and report["copy_gb_per_s_synchronous"] > 0
+  assert "--xla_cpu_use_xnnpack=false" in report["xla_flags"]  # the flags the run had
   assert report["device_kind"]
   rows = report["rows"]
   assert [(r["model"], r["prompt"]) for r in rows] == [
