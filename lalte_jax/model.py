@@ -81,14 +81,12 @@ class Block(nnx.Module):
                       rescale_num_layers=config.num_layers if config.rescale_prenorm_residual
                       else None, dtype=config.compute_dtype, rngs=rngs)
 
-  def _residual(self, h_BTD: jax.Array, mix, chunk_tokens: int | None = None
-                ) -> tuple[jax.Array, object]:
+  def _residual(self, h_BTD: jax.Array, mix) -> tuple[jax.Array, object]:
     """h + mixed, then + SwiGLU(RMSNorm(.)), where `mix(RMSNorm(h))` returns (mixed, extra);
-    returns the new h and extra. chunk_tokens: the MLP's tokens at a time (a prefill's chunk)."""
+    returns the new h and extra."""
     mixed_BTD, extra = mix(self.mixer_norm(h_BTD))
     h_BTD = h_BTD + mixed_BTD
-    h_BTD = chunking.add_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, chunk_tokens)
-    return h_BTD, extra
+    return h_BTD + self.mlp(self.mlp_norm(h_BTD)), extra
 
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
                routing: RoutingControls | None = None
@@ -106,9 +104,11 @@ class Block(nnx.Module):
     if mode == "decode":  # reads and writes the stacked cache in place
       return self._residual(h_BTD, lambda x: self.mixer.decode(x, cache, ctx))
     # A prompt fills the whole cache: the mixer's prefill takes and returns the group's arrays.
-    h_BTD, filled = self._residual(
-        h_BTD, lambda x: self.mixer.prefill(x, group_slot.read_group(cache), ctx),
-        ctx.chunk_tokens)
+    # It normalises the residual stream and adds its output itself, so that in chunks neither
+    # the normalised prompt nor the mixer's output exists whole (chunking.py).
+    h_BTD, filled = self.mixer.prefill(h_BTD, self.mixer_norm, group_slot.read_group(cache),
+                                       ctx)
+    h_BTD = chunking.add_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, ctx.chunk_tokens)
     return h_BTD, group_slot.write_group(cache, filled)
 
 

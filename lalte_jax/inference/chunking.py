@@ -8,10 +8,13 @@ tokens a chunk at a time; a GDN layer runs its whole mixer chunk by chunk, carry
 state and the short convolutions' last inputs from one chunk to the next; attention layers take
 the keys, values (and LTE's scores and kept set) of the whole prompt, then their queries a chunk
 at a time (projection, attention against the keys up to the chunk's end, o_proj), except a
-full-attention layer with an eviction cache, which scores every query at once. The same
-computation as in one piece, so outputs and caches are unchanged (to rounding of the GDN state
-at the chunk boundaries). What still grows with the prompt: the residual stream between layers
-and the keys and values. For SWA and LTE layers a chunk's keys have the whole prompt's length,
+full-attention layer with an eviction cache, which scores every query at once. A mixer's prefill
+takes the block's residual stream and its RMSNorm, normalises each chunk and adds the chunk's
+output into the stream in place, and the MLP does the same (`add_chunks`), so no normalised copy
+of the prompt and no whole output exist. The same computation as in one piece, so outputs and
+caches are unchanged (to rounding of the GDN state at the chunk boundaries). What still grows with
+the prompt: the residual stream, and an attention layer's keys and values (and the input they
+are projected from, while they are). For SWA and LTE layers a chunk's keys have the whole prompt's length,
 zeros (invalid) in front of the keys up to the chunk's end, because the attention ops align
 queries with the last keys: the loop is one compiled body, and their kernels visit only the
 window's tiles and the kept list. Full attention would also visit the zeros' tiles (about twice
@@ -69,13 +72,14 @@ def add_chunks(fn: Callable[[jax.Array], jax.Array], x_BTD: jax.Array,
   return chunk_loop(body, x_BTD, length, chunk_tokens)
 
 
-def span_outputs(fn: Callable[[jax.Array | int, int], jax.Array], out_BT_: jax.Array,
-                 chunk_tokens: int) -> jax.Array:
-  """`out` with each chunk [start, start + size) replaced by fn(start, size) [B, size, ...], in
-  place (`chunk_loop`)."""
+def span_outputs(fn: Callable[[jax.Array | int, int, jax.Array], jax.Array],
+                 out_BT_: jax.Array, chunk_tokens: int) -> jax.Array:
+  """`out` with each chunk [start, start + size) replaced by fn(start, size, out) [B, size, ...],
+  in place (`chunk_loop`): fn reads `out` as the earlier chunks left it (e.g. its own chunk's
+  values, to update them)."""
 
   def body(start, size, out_BT_):
-    return jax.lax.dynamic_update_slice_in_dim(out_BT_, fn(start, size), start, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(out_BT_, fn(start, size, out_BT_), start, axis=1)
 
   return chunk_loop(body, out_BT_, out_BT_.shape[1], chunk_tokens)
 

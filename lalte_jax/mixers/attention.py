@@ -53,30 +53,34 @@ class AttentionProjections(nnx.Module):
     shape = (*x_BTD.shape[:2], self.num_kv_heads, self.head_dim)
     return self.k_proj(x_BTD).reshape(shape), self.v_proj(x_BTD).reshape(shape)
 
-  def prompt_output(self, x_BTD: jax.Array, positions_BT: jax.Array, keys: tuple,
+  def prompt_output(self, h_BTD: jax.Array, norm, positions_BT: jax.Array, keys: tuple,
                     chunk_tokens: int | None, attend, *, unrolled: bool = False) -> jax.Array:
-    """o_proj(attend(x, positions, *keys)) of a prompt: `attend` gives the attention output
-    [B, C, Hq, D] of C queries against `keys` (whole-prompt arrays [B, T, ...]). With
-    `chunk_tokens` the queries go that many at a time against the keys up to their chunk's end
-    (`lalte_jax.inference.chunking`): one compiled body over front-padded keys, or with
+    """h + o_proj(attend(norm(h), positions, *keys)) of a prompt (h: the block's residual
+    stream, `norm` its pre-mixer RMSNorm): `attend` gives the attention output [B, C, Hq, D] of C
+    queries against `keys` (whole-prompt arrays [B, T, ...]). With `chunk_tokens` the queries go
+    that many at a time against the keys up to their chunk's end (`lalte_jax.inference.chunking`),
+    each chunk's output added into h in place: one compiled body over front-padded keys, or with
     `unrolled` a Python loop over the keys as they are (full attention, NSA)."""
-    length = x_BTD.shape[1]
-    run = lambda x_BCD, positions_BC, keys: self.output(attend(x_BCD, positions_BC, *keys))
+    length = h_BTD.shape[1]
+
+    def added(h_BCD, positions_BC, keys):
+      return h_BCD + self.output(attend(norm(h_BCD), positions_BC, *keys))
+
     if chunk_tokens is None or length <= chunk_tokens:
-      return run(x_BTD, positions_BT, keys)
+      return added(h_BTD, positions_BT, keys)
     if unrolled:
       return chunking.unrolled_outputs(
-          lambda start, end: run(x_BTD[:, start:end], positions_BT[:, start:end],
-                                 tuple(a[:, :end] for a in keys)), length, chunk_tokens)
+          lambda start, end: added(h_BTD[:, start:end], positions_BT[:, start:end],
+                                   tuple(a[:, :end] for a in keys)), length, chunk_tokens)
     padded = tuple(chunking.front_padded(a) for a in keys)
 
-    def chunk(start, size):
-      x_BCD, positions_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
-                             for a in (x_BTD, positions_BT))
-      return run(x_BCD, positions_BC,
-                 tuple(chunking.keys_ending_at(a, start + size) for a in padded))
+    def chunk(start, size, h_BTD):
+      h_BCD, positions_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+                             for a in (h_BTD, positions_BT))
+      return added(h_BCD, positions_BC,
+                   tuple(chunking.keys_ending_at(a, start + size) for a in padded))
 
-    return chunking.span_outputs(chunk, jnp.zeros_like(x_BTD), chunk_tokens)
+    return chunking.span_outputs(chunk, h_BTD, chunk_tokens)
 
   def roped_qkv(self, x_BTD: jax.Array, positions_BT: jax.Array, theta: float
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -108,21 +112,22 @@ class Attention(nnx.Module):
         q_BTHD, k_BTKD, v_BTKD)
     return self.proj.output(o_BTHD)
 
-  def prefill(self, x_BTD: jax.Array, cache, ctx: StepContext):
-    """The layer over a left-padded prompt (pads invisible) and the cache after it. With
-    `ctx.chunk_tokens` the queries (projection, attention, o_proj) go a chunk at a time against
-    the whole prompt's keys, except into an eviction cache, which scores every query."""
+  def prefill(self, h_BTD: jax.Array, norm, cache, ctx: StepContext):
+    """h + the layer's output over a left-padded prompt (pads invisible; h the block's residual
+    stream, `norm` its pre-mixer RMSNorm) and the cache after it. With `ctx.chunk_tokens` the
+    queries (projection, attention, o_proj) go a chunk at a time against the whole prompt's keys,
+    except into an eviction cache, which scores every query."""
     attn = self.config
     if isinstance(cache, eviction.EvictionCache):
-      q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(x_BTD, ctx.real_positions_BT,
+      q_BTHD, k_BTKD, v_BTKD = self.proj.roped_qkv(norm(h_BTD), ctx.real_positions_BT,
                                                    attn.rope_theta)
       o_BTHD = masked_attention(q_BTHD, k_BTKD, v_BTKD, window_size=attn.window_size,
                                 key_valid_BS=ctx.valid_BT, implementation=attn.implementation)
       cache = eviction.eviction_prefill(cache, q_BTHD, k_BTKD, v_BTKD, ctx.valid_BT,
                                         ctx.pad_count_B)
-      return self.proj.output(o_BTHD), cache
+      return h_BTD + self.proj.output(o_BTHD), cache
     positions_BT = ctx.real_positions_BT
-    k_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
+    k_BTKD, v_BTKD = self.proj.keys_values(norm(h_BTD))
     k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
 
     def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, valid_BS):
@@ -130,10 +135,9 @@ class Attention(nnx.Module):
       return masked_attention(q_BCHD, k_BSKD, v_BSKD, window_size=attn.window_size,
                               key_valid_BS=valid_BS, implementation=attn.implementation)
 
-    out_BTD = self.proj.prompt_output(x_BTD, positions_BT, (k_BTKD, v_BTKD, ctx.valid_BT),
-                                      ctx.chunk_tokens, attend,
-                                      unrolled=attn.window_size is None)
-    return out_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
+    h_BTD = self.proj.prompt_output(h_BTD, norm, positions_BT, (k_BTKD, v_BTKD, ctx.valid_BT),
+                                    ctx.chunk_tokens, attend, unrolled=attn.window_size is None)
+    return h_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
 
   def _cache_from_prompt(self, cache: KVCache, k_BTKD: jax.Array, v_BTKD: jax.Array) -> KVCache:
     """The SWA ring or the full cache holding the prompt's keys (after RoPE) and values."""

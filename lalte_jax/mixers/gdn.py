@@ -122,31 +122,36 @@ class GatedDeltaNet(nnx.Module):
     return (q_BTHK, k_BTHK, v_BTHV, jnp.where(valid_BT1, g_BTH, 0.0),
             jnp.where(valid_BT1, beta_BTH, 0.0))
 
-  def prefill(self, x_BTD: jax.Array, cache: GDNCache, ctx: StepContext
+  def prefill(self, h_BTD: jax.Array, norm, cache: GDNCache, ctx: StepContext
               ) -> tuple[jax.Array, GDNCache]:
-    """GDN over a left-padded prompt of T >= 1 tokens and the cache after it (the cache's conv
-    rings on entry are ignored: a prompt starts a sequence). With `ctx.chunk_tokens` the layer
-    runs chunk by chunk (`chunking.chunk_loop`), carrying the recurrent state and the last
-    `conv_size` conv inputs: the one-piece computation, in pieces."""
+    """h + GDN(norm(h)) over a left-padded prompt of T >= 1 tokens (h: the block's residual
+    stream, `norm` its pre-mixer RMSNorm) and the cache after it (the cache's conv rings on entry
+    are ignored: a prompt starts a sequence). With `ctx.chunk_tokens` the layer runs chunk by
+    chunk (`chunking.chunk_loop`), carrying the recurrent state and the last `conv_size` conv
+    inputs, normalising each chunk's h and adding its output in place: the one-piece computation,
+    in pieces, with no normalised copy or output of the whole prompt."""
     gdn = self.config.gdn
-    batch, length = x_BTD.shape[:2]
+    batch, length = h_BTD.shape[:2]
     channels = (gdn.num_heads * gdn.head_dim,) * 2 + (gdn.num_heads * gdn.value_dim,)
-    tails = tuple(jnp.zeros((batch, gdn.conv_size, width), x_BTD.dtype) for width in channels)
+    tails = tuple(jnp.zeros((batch, gdn.conv_size, width), h_BTD.dtype) for width in channels)
     if ctx.chunk_tokens is None or length <= ctx.chunk_tokens:
-      (state_BHKV, tails), out_BTD = self._prefill_span(x_BTD, (cache.state_BHKV, tails), ctx)
+      (state_BHKV, tails), out_BTD = self._prefill_span(norm(h_BTD), (cache.state_BHKV, tails),
+                                                        ctx)
+      h_BTD = h_BTD + out_BTD
     else:
       def body(start, size, carry):
-        span_carry, out_BTD = carry
-        x_BCD, valid_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
-                           for a in (x_BTD, ctx.valid_BT))
-        span_carry, out_BCD = self._prefill_span(x_BCD, span_carry,
+        span_carry, h_BTD = carry
+        h_BCD, valid_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+                           for a in (h_BTD, ctx.valid_BT))
+        span_carry, out_BCD = self._prefill_span(norm(h_BCD), span_carry,
                                                  ctx.replace(valid_BT=valid_BC))
-        return span_carry, jax.lax.dynamic_update_slice_in_dim(out_BTD, out_BCD, start, axis=1)
+        return span_carry, jax.lax.dynamic_update_slice_in_dim(h_BTD, h_BCD + out_BCD, start,
+                                                               axis=1)
 
-      (state_BHKV, tails), out_BTD = chunking.chunk_loop(
-          body, ((cache.state_BHKV, tails), jnp.zeros_like(x_BTD)), length, ctx.chunk_tokens)
+      (state_BHKV, tails), h_BTD = chunking.chunk_loop(
+          body, ((cache.state_BHKV, tails), h_BTD), length, ctx.chunk_tokens)
     rings = tuple(ring_from_tail(tail_BRC, length) for tail_BRC in tails)
-    return out_BTD, GDNCache(*rings, state_BHKV=state_BHKV.astype(jnp.float32))
+    return h_BTD, GDNCache(*rings, state_BHKV=state_BHKV.astype(jnp.float32))
 
   def _prefill_span(self, x_BTD: jax.Array, carry: tuple, ctx: StepContext) -> tuple:
     """The layer over one span of the prompt: (state, last conv_size conv inputs of q, k, v) ->

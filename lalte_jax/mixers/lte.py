@@ -139,9 +139,10 @@ class LTEAttention(nnx.Module):
         q_BTHD, k_BTKD, v_BTKD, kept_BTK)
     return self.proj.output(o_BTHD), score_BTK
 
-  def prefill(self, x_BTD: jax.Array, cache: LTECache, ctx: StepContext
+  def prefill(self, h_BTD: jax.Array, norm, cache: LTECache, ctx: StepContext
               ) -> tuple[jax.Array, LTECache]:
-    """The layer over a left-padded prompt and the filled cache (§5.2).
+    """h + the layer's output over a left-padded prompt (h the block's residual stream, `norm`
+    its pre-mixer RMSNorm) and the filled cache (§5.2).
 
     Each prompt query attends to its window (w + 1 keys, padding excluded) plus the kept OOW set
     *at the end of the prompt* restricted to keys at least W older (§5.2 step 6, G24); below the
@@ -152,10 +153,10 @@ class LTEAttention(nnx.Module):
     """
     lte = self.config
     real_BT = ctx.valid_BT
-    k_pre_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
+    k_pre_BTKD, v_BTKD = self.proj.keys_values(norm(h_BTD))
     score_BTK = self.router(k_pre_BTKD, v_BTKD, mask_BT=real_BT)
     score_BTK = lte_cache.mark_sinks_and_padding(score_BTK, real_BT, lte.num_sinks)
-    positions_BT = default_positions(*x_BTD.shape[:2])  # padded-tensor indices (G25)
+    positions_BT = default_positions(*h_BTD.shape[:2])  # padded-tensor indices (G25)
     k_BTKD = apply_rope(k_pre_BTKD, positions_BT, lte.rope_theta)
     k_BTKD, v_BTKD = k_BTKD.astype(cache.k.dtype), v_BTKD.astype(cache.v.dtype)
     cache, kept_BTK = lte_cache.fill_from_prompt(cache, lte, k_BTKD, v_BTKD, score_BTK, real_BT)
@@ -163,15 +164,19 @@ class LTEAttention(nnx.Module):
     # Kept keys inside a query's window are visible anyway, so "kept, or within the window" is the
     # spec's "window plus kept keys with j <= t - W". Sinks are kept by their +inf score, so the
     # attention op's position-based sinks are off (with padding they are not at positions 0..s-1).
+    # Outputs at pads are zero: the chunk's queries are the last of its keys, so the keys'
+    # validity ends with theirs.
     def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, kept_BSK, valid_BS):
       q_BCHD = apply_rope(self.proj.queries(x_BCD), positions_BC, lte.rope_theta)
-      return masked_attention(
+      o_BCHD = masked_attention(
           q_BCHD, k_BSKD, v_BSKD, window_size=lte.window_keys, num_sinks=0, kept_BSK=kept_BSK,
           key_valid_BS=valid_BS, implementation=lte.implementation).astype(q_BCHD.dtype)
+      real_BC11 = valid_BS[:, -x_BCD.shape[1]:, None, None]
+      return jnp.where(real_BC11, o_BCHD, jnp.zeros_like(o_BCHD))
 
-    out_BTD = self.proj.prompt_output(x_BTD, positions_BT, (k_BTKD, v_BTKD, kept_BTK, real_BT),
-                                      ctx.chunk_tokens, attend)
-    return jnp.where(real_BT[:, :, None], out_BTD, jnp.zeros_like(out_BTD)), cache
+    h_BTD = self.proj.prompt_output(h_BTD, norm, positions_BT,
+                                    (k_BTKD, v_BTKD, kept_BTK, real_BT), ctx.chunk_tokens, attend)
+    return h_BTD, cache
 
   def decode(self, x_B1D: jax.Array, cache: LTECache, ctx: StepContext
              ) -> tuple[jax.Array, LTECache]:

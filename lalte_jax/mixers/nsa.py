@@ -72,16 +72,16 @@ class NativeSparseAttention(nnx.Module):
     o_BTHD = self._attention(*self._qkv_gates(x_BTD, default_positions(*x_BTD.shape[:2])))
     return self.proj.output(o_BTHD)
 
-  def prefill(self, x_BTD: jax.Array, cache: NSACache, ctx: StepContext
+  def prefill(self, h_BTD: jax.Array, norm, cache: NSACache, ctx: StepContext
               ) -> tuple[jax.Array, NSACache]:
-    """NSA over the prompt with each row's real tokens moved to the front: block boundaries then
-    count from the first real token, and the pads, now at the end, are invisible to the real
-    tokens by causality. With `ctx.chunk_tokens` the queries go a chunk at a time (the same
-    outputs)."""
+    """h + NSA(norm(h)) over the prompt (h the block's residual stream, `norm` its pre-mixer
+    RMSNorm) with each row's real tokens moved to the front: block boundaries then count from
+    the first real token, and the pads, now at the end, are invisible to the real tokens by
+    causality. With `ctx.chunk_tokens` the queries go a chunk at a time (the same outputs)."""
     nsa = self.config
-    x_front_BTD = _shift_rows(x_BTD, ctx.pad_count_B)
-    positions_BT = default_positions(*x_BTD.shape[:2])
-    k_BTKD, v_BTKD = self.proj.keys_values(x_front_BTD)
+    h_front_BTD = _shift_rows(h_BTD, ctx.pad_count_B)
+    positions_BT = default_positions(*h_BTD.shape[:2])
+    k_BTKD, v_BTKD = self.proj.keys_values(norm(h_front_BTD))
     k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
 
     def attend(x_BCD, positions_BC, k_BSKD, v_BSKD):
@@ -89,16 +89,16 @@ class NativeSparseAttention(nnx.Module):
 
     # In chunks, blocks are pooled from position 0, so each chunk takes the keys up to its end as
     # they are: the compressed branch's block importance [T, blocks] grows with the chunk.
-    out_front_BTD = self.proj.prompt_output(x_front_BTD, positions_BT, (k_BTKD, v_BTKD),
-                                            ctx.chunk_tokens, attend, unrolled=True)
-    out_BTD = _shift_rows(out_front_BTD, -ctx.pad_count_B)  # back to the left-padded layout
+    h_front_BTD = self.proj.prompt_output(h_front_BTD, norm, positions_BT, (k_BTKD, v_BTKD),
+                                          ctx.chunk_tokens, attend, unrolled=True)
+    h_BTD = _shift_rows(h_front_BTD, -ctx.pad_count_B)  # back to the left-padded layout
     # Slots past a row's length hold pad keys; each is overwritten before any query can see it.
     k_BSKD, v_BSKD = write_prompt(cache.k_BSKD, k_BTKD), write_prompt(cache.v_BSKD, v_BTKD)
-    real_length_B = x_BTD.shape[1] - ctx.pad_count_B
+    real_length_B = h_BTD.shape[1] - ctx.pad_count_B
     k_cmp_BNKD, v_cmp_BNKD = nsa_ops.compress_prompt(
         k_BSKD, v_BSKD, real_length_B, block_size=nsa.block_size,
         num_blocks=cache.k_cmp_BNKD.shape[1])
-    return out_BTD, NSACache(k_BSKD=k_BSKD, v_BSKD=v_BSKD, k_cmp_BNKD=k_cmp_BNKD,
+    return h_BTD, NSACache(k_BSKD=k_BSKD, v_BSKD=v_BSKD, k_cmp_BNKD=k_cmp_BNKD,
                              v_cmp_BNKD=v_cmp_BNKD)
 
   def decode(self, x_B1D: jax.Array, cache: NSACache, ctx: StepContext

@@ -63,7 +63,13 @@ class Runner:
     self.lte = layer.config
     self.position, self.pad_count_B = 0, None
     merge = lambda state: nnx.merge(graphdef, state)
-    self._prefill = jax.jit(lambda s, x, m, c: merge(s).prefill(x, c, prompt_context(x, m)))
+    # The layer alone on x: prefill adds its output to a residual stream that it normalises
+    # first, here x with no norm (the output is the difference).
+    def prefill(state, x, mask, cache):
+      h, cache = merge(state).prefill(x, lambda h: h, cache, prompt_context(x, mask))
+      return h - x, cache
+
+    self._prefill = jax.jit(prefill)
     # Decoding runs on a layer group's part of a stacked cache: here a stack of one.
     def decode(state, x_B1D, cache, position, pad_count_B):
       out_B1D, view = merge(state).decode(x_B1D, view_of_plain(cache),

@@ -69,12 +69,24 @@ def _temp_bytes(model, length: int, chunk_tokens) -> int:
 def test_chunks_slow_the_growth_of_prefill_memory(variant):
   """XLA's memory analysis of the compiled prefill (CPU, where attention runs its XLA version,
   quadratic in the prompt): from a 1K to a 4K prompt the temporaries of gdn-tiny grow by 4.9 KB a
-  token in one piece and by 0.8 KB in chunks of 128, lalte-tiny's by 175 and 5.8 KB, lansa-tiny's
+  token in one piece and by 0.26 KB in chunks of 128, lalte-tiny's by 175 and 5.3 KB, lansa-tiny's
   by 263 and 100 KB (2026-11-29)."""
   model = HybridLM(get_model_config(f"{variant}-tiny"), rngs=nnx.Rngs(0))
   growth = {chunk: _temp_bytes(model, 4096, chunk) - _temp_bytes(model, 1024, chunk)
             for chunk in (None, 128)}
   assert growth[128] < 0.5 * growth[None], growth
+
+
+def test_chunked_gdn_prefill_holds_only_the_residual_stream_whole():
+  """In chunks, a GDN model's prefill keeps one array the prompt's length: the residual stream
+  (float32 [T, 64] at gdn-tiny, 256 bytes a token). Each block normalises its chunk of it and adds
+  its mixer's and MLP's outputs in place, so neither a normalised copy of the prompt nor a
+  mixer's whole output exists (before, 768 bytes a token: three such arrays)."""
+  config = get_model_config("gdn-tiny")
+  model = HybridLM(config, rngs=nnx.Rngs(0))
+  growth_per_token = (_temp_bytes(model, 4096, 128) - _temp_bytes(model, 1024, 128)) / 3072
+  residual_per_token = config.hidden_size * jnp.dtype(config.compute_dtype).itemsize
+  assert growth_per_token <= 1.5 * residual_per_token, (growth_per_token, residual_per_token)
 
 
 def test_add_chunks_adds_a_function_of_each_token():

@@ -199,7 +199,7 @@ def test_lte_decode_with_pallas_kernels_matches_xla():
     def go(state, x):
       layer = nnx.merge(graphdef, state)
       prompt_context = StepContext.for_prompt(pad_mask)
-      _, cache = layers["xla"].prefill(x[:, :prompt_len],
+      _, cache = layers["xla"].prefill(x[:, :prompt_len], lambda h: h,  # x as normalised input
                                        init_lte_cache(lte, x.shape[0], x.dtype), prompt_context)
       def step(carry, x_BD):  # on the cache as a stack of one layer group
         cache, position = carry
