@@ -19,7 +19,7 @@ zeros (invalid) in front of the keys up to the chunk's end, because the attentio
 queries with the last keys: the loop is one compiled body, and their kernels visit only the
 window's tiles and the kept list. Full attention would also visit the zeros' tiles (about twice
 its work in one piece), and NSA pools its blocks from position 0, so their chunks take the keys
-up to their end as they are, in a Python loop (`unrolled_outputs`; one compiled body a chunk).
+up to their end as they are, in a Python loop (`unrolled_spans`; one compiled body a chunk).
 
 `chunk_loop` runs a body over the chunks; `add_chunks` adds a position-wise function's output.
 """
@@ -84,12 +84,16 @@ def span_outputs(fn: Callable[[jax.Array | int, int, jax.Array], jax.Array],
   return chunk_loop(body, out_BT_, out_BT_.shape[1], chunk_tokens)
 
 
-def unrolled_outputs(fn: Callable[[int, int], jax.Array], length: int,
-                     chunk_tokens: int) -> jax.Array:
-  """[B, length, ...]: fn(start, end) of each chunk, joined; a Python loop (static bounds), for
-  chunks whose computation depends on where they end (each chunk compiles its own body)."""
-  return jnp.concatenate([fn(start, min(start + chunk_tokens, length))
-                          for start in range(0, length, chunk_tokens)], axis=1)
+def unrolled_spans(fn: Callable[[int, int, jax.Array], jax.Array], out_BT_: jax.Array,
+                   chunk_tokens: int) -> jax.Array:
+  """`out` with each chunk [start, end) replaced by fn(start, end, out) [B, end - start, ...], in
+  place; a Python loop (static bounds), for chunks whose computation depends on where they end
+  (each chunk compiles its own body)."""
+  length = out_BT_.shape[1]
+  for start in range(0, length, chunk_tokens):
+    end = min(start + chunk_tokens, length)
+    out_BT_ = jax.lax.dynamic_update_slice_in_dim(out_BT_, fn(start, end, out_BT_), start, axis=1)
+  return out_BT_
 
 
 def front_padded(x_BS_: jax.Array) -> jax.Array:

@@ -69,9 +69,9 @@ class AttentionProjections(nnx.Module):
     if chunk_tokens is None or length <= chunk_tokens:
       return added(h_BTD, positions_BT, keys)
     if unrolled:
-      return chunking.unrolled_outputs(
-          lambda start, end: added(h_BTD[:, start:end], positions_BT[:, start:end],
-                                   tuple(a[:, :end] for a in keys)), length, chunk_tokens)
+      return chunking.unrolled_spans(
+          lambda start, end, h_BTD: added(h_BTD[:, start:end], positions_BT[:, start:end],
+                                          tuple(a[:, :end] for a in keys)), h_BTD, chunk_tokens)
     padded = tuple(chunking.front_padded(a) for a in keys)
 
     def chunk(start, size, h_BTD):
