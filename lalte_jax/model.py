@@ -85,8 +85,11 @@ class Block(nnx.Module):
     """h + mixed, then + SwiGLU(RMSNorm(.)), where `mix(RMSNorm(h))` returns (mixed, extra);
     returns the new h and extra."""
     mixed_BTD, extra = mix(self.mixer_norm(h_BTD))
-    h_BTD = h_BTD + mixed_BTD
-    return h_BTD + self.mlp(self.mlp_norm(h_BTD)), extra
+    return self._mlp_residual(h_BTD + mixed_BTD), extra
+
+  def _mlp_residual(self, h_BTD: jax.Array, chunk_tokens: int | None = None) -> jax.Array:
+    """h + SwiGLU(RMSNorm(h)), `chunk_tokens` tokens at a time (a prefill's chunks)."""
+    return chunking.add_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, chunk_tokens)
 
   def __call__(self, h_BTD: jax.Array, dropout_key: jax.Array | None,
                routing: RoutingControls | None = None
@@ -108,8 +111,7 @@ class Block(nnx.Module):
     # the normalised prompt nor the mixer's output exists whole (chunking.py).
     h_BTD, filled = self.mixer.prefill(h_BTD, self.mixer_norm, group_slot.read_group(cache),
                                        ctx)
-    h_BTD = chunking.add_chunks(lambda x: self.mlp(self.mlp_norm(x)), h_BTD, ctx.chunk_tokens)
-    return h_BTD, group_slot.write_group(cache, filled)
+    return self._mlp_residual(h_BTD, ctx.chunk_tokens), group_slot.write_group(cache, filled)
 
 
 class LayerGroup(nnx.Module):

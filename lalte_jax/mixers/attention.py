@@ -53,32 +53,39 @@ class AttentionProjections(nnx.Module):
     shape = (*x_BTD.shape[:2], self.num_kv_heads, self.head_dim)
     return self.k_proj(x_BTD).reshape(shape), self.v_proj(x_BTD).reshape(shape)
 
-  def prompt_output(self, h_BTD: jax.Array, norm, positions_BT: jax.Array, keys: tuple,
-                    chunk_tokens: int | None, attend, *, unrolled: bool = False) -> jax.Array:
-    """h + o_proj(attend(norm(h), positions, *keys)) of a prompt (h: the block's residual
-    stream, `norm` its pre-mixer RMSNorm): `attend` gives the attention output [B, C, Hq, D] of C
-    queries against `keys` (whole-prompt arrays [B, T, ...]). With `chunk_tokens` the queries go
-    that many at a time against the keys up to their chunk's end (`lalte_jax.inference.chunking`),
-    each chunk's output added into h in place: one compiled body over front-padded keys, or with
-    `unrolled` a Python loop over the keys as they are (full attention, NSA)."""
+  def prompt_output(self, h_BTD: jax.Array, x_BTD: jax.Array, norm, positions_BT: jax.Array,
+                    keys: tuple, chunk_tokens: int | None, attend, *,
+                    unrolled: bool = False) -> jax.Array:
+    """h + o_proj(attend(x, positions, *keys)) of a prompt (h: the block's residual stream,
+    x = norm(h) with `norm` its pre-mixer RMSNorm, as the keys were projected from): `attend`
+    gives the attention output [B, C, Hq, D] of C queries against `keys` (whole-prompt arrays
+    [B, T, ...]). With `chunk_tokens` the queries go that many at a time against the keys up to
+    their chunk's end (`lalte_jax.inference.chunking`), each chunk normalised from h and its
+    output added into h in place (x is then not read again): one compiled body over front-padded
+    keys, or with `unrolled` a Python loop over the keys as they are (full attention, NSA)."""
     length = h_BTD.shape[1]
 
-    def added(h_BCD, positions_BC, keys):
-      return h_BCD + self.output(attend(norm(h_BCD), positions_BC, *keys))
+    def added(h_BCD, x_BCD, positions_BC, keys):
+      return h_BCD + self.output(attend(x_BCD, positions_BC, *keys))
 
     if chunk_tokens is None or length <= chunk_tokens:
-      return added(h_BTD, positions_BT, keys)
+      return added(h_BTD, x_BTD, positions_BT, keys)
+
+    def normed_added(h_BCD, positions_BC, keys):
+      return added(h_BCD, norm(h_BCD), positions_BC, keys)
+
     if unrolled:
       return chunking.unrolled_spans(
-          lambda start, end, h_BTD: added(h_BTD[:, start:end], positions_BT[:, start:end],
-                                          tuple(a[:, :end] for a in keys)), h_BTD, chunk_tokens)
+          lambda start, end, h_BTD: normed_added(h_BTD[:, start:end], positions_BT[:, start:end],
+                                                 tuple(a[:, :end] for a in keys)),
+          h_BTD, chunk_tokens)
     padded = tuple(chunking.front_padded(a) for a in keys)
 
     def chunk(start, size, h_BTD):
       h_BCD, positions_BC = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
                              for a in (h_BTD, positions_BT))
-      return added(h_BCD, positions_BC,
-                   tuple(chunking.keys_ending_at(a, start + size) for a in padded))
+      return normed_added(h_BCD, positions_BC,
+                          tuple(chunking.keys_ending_at(a, start + size) for a in padded))
 
     return chunking.span_outputs(chunk, h_BTD, chunk_tokens)
 
@@ -127,7 +134,8 @@ class Attention(nnx.Module):
                                         ctx.pad_count_B)
       return h_BTD + self.proj.output(o_BTHD), cache
     positions_BT = ctx.real_positions_BT
-    k_BTKD, v_BTKD = self.proj.keys_values(norm(h_BTD))
+    x_BTD = norm(h_BTD)
+    k_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
     k_BTKD = apply_rope(k_BTKD, positions_BT, attn.rope_theta)
 
     def attend(x_BCD, positions_BC, k_BSKD, v_BSKD, valid_BS):
@@ -135,8 +143,9 @@ class Attention(nnx.Module):
       return masked_attention(q_BCHD, k_BSKD, v_BSKD, window_size=attn.window_size,
                               key_valid_BS=valid_BS, implementation=attn.implementation)
 
-    h_BTD = self.proj.prompt_output(h_BTD, norm, positions_BT, (k_BTKD, v_BTKD, ctx.valid_BT),
-                                    ctx.chunk_tokens, attend, unrolled=attn.window_size is None)
+    h_BTD = self.proj.prompt_output(h_BTD, x_BTD, norm, positions_BT,
+                                    (k_BTKD, v_BTKD, ctx.valid_BT), ctx.chunk_tokens, attend,
+                                    unrolled=attn.window_size is None)
     return h_BTD, self._cache_from_prompt(cache, k_BTKD, v_BTKD)
 
   def _cache_from_prompt(self, cache: KVCache, k_BTKD: jax.Array, v_BTKD: jax.Array) -> KVCache:

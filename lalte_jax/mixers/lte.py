@@ -153,7 +153,8 @@ class LTEAttention(nnx.Module):
     """
     lte = self.config
     real_BT = ctx.valid_BT
-    k_pre_BTKD, v_BTKD = self.proj.keys_values(norm(h_BTD))
+    x_BTD = norm(h_BTD)
+    k_pre_BTKD, v_BTKD = self.proj.keys_values(x_BTD)
     score_BTK = self.router(k_pre_BTKD, v_BTKD, mask_BT=real_BT)
     score_BTK = lte_cache.mark_sinks_and_padding(score_BTK, real_BT, lte.num_sinks)
     positions_BT = default_positions(*h_BTD.shape[:2])  # padded-tensor indices (G25)
@@ -174,7 +175,7 @@ class LTEAttention(nnx.Module):
       real_BC11 = valid_BS[:, -x_BCD.shape[1]:, None, None]
       return jnp.where(real_BC11, o_BCHD, jnp.zeros_like(o_BCHD))
 
-    h_BTD = self.proj.prompt_output(h_BTD, norm, positions_BT,
+    h_BTD = self.proj.prompt_output(h_BTD, x_BTD, norm, positions_BT,
                                     (k_BTKD, v_BTKD, kept_BTK, real_BT), ctx.chunk_tokens, attend)
     return h_BTD, cache
 

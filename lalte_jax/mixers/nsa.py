@@ -81,7 +81,8 @@ class NativeSparseAttention(nnx.Module):
     nsa = self.config
     h_front_BTD = _shift_rows(h_BTD, ctx.pad_count_B)
     positions_BT = default_positions(*h_BTD.shape[:2])
-    k_BTKD, v_BTKD = self.proj.keys_values(norm(h_front_BTD))
+    x_front_BTD = norm(h_front_BTD)
+    k_BTKD, v_BTKD = self.proj.keys_values(x_front_BTD)
     k_BTKD = apply_rope(k_BTKD, positions_BT, nsa.rope_theta)
 
     def attend(x_BCD, positions_BC, k_BSKD, v_BSKD):
@@ -89,8 +90,9 @@ class NativeSparseAttention(nnx.Module):
 
     # In chunks, blocks are pooled from position 0, so each chunk takes the keys up to its end as
     # they are: the compressed branch's block importance [T, blocks] grows with the chunk.
-    h_front_BTD = self.proj.prompt_output(h_front_BTD, norm, positions_BT, (k_BTKD, v_BTKD),
-                                          ctx.chunk_tokens, attend, unrolled=True)
+    h_front_BTD = self.proj.prompt_output(h_front_BTD, x_front_BTD, norm, positions_BT,
+                                          (k_BTKD, v_BTKD), ctx.chunk_tokens, attend,
+                                          unrolled=True)
     h_BTD = _shift_rows(h_front_BTD, -ctx.pad_count_B)  # back to the left-padded layout
     # Slots past a row's length hold pad keys; each is overwritten before any query can see it.
     k_BSKD, v_BSKD = write_prompt(cache.k_BSKD, k_BTKD), write_prompt(cache.v_BSKD, v_BTKD)
