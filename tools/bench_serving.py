@@ -46,7 +46,8 @@ per step show as copies: 1.45 ms a token of lalte-1.4b at B32 before `generate` 
 groups' parameters before its loop, 2026-11-29).
 
 Memory: each compiled program's footprint from XLA's memory analysis (arguments + outputs -
-donated + temporaries), the prefill's and the decode step's: what the row needs at its peak.
+donated + temporaries), the prefill's and the decode step's (and with `--generate`, generate's
+whole program): what the row needs at its peak.
 
 `--compare-fla` adds, for every preset FLA 0.6.0 has a model of (GDN, GDN+SWA, GDN+Attn;
 tools/fla_models.py: the same config, random init, its attention on FLA's `parallel_attn`), a row
@@ -189,6 +190,8 @@ def ours_row(model, batch: int, prompt: int, args) -> dict:
          "prefill_memory": prefill_memory, "decode_memory": decode_memory,
          "prefill_chunk_tokens": args.prefill_chunk_tokens}
   if args.generate:
+    row["generate_memory"] = memory_footprint(
+        gen.lower_generate(model, tokens_BT, args.generate[1]).compile())
     row["generate_ms_per_token"] = generate_ms_per_token(model, tokens_BT, args.generate)
   if args.profile_generate:
     row["generate_profile"] = profile_generate(model, tokens_BT, args.generate)
@@ -324,7 +327,7 @@ def markdown_table(rows: list[dict]) -> str:
   lines = ["| model | batch | prompt | prefill tok/s | decode ms / step | pipelined ms / step"
            + (" | generate ms / token" if timed_generate else "")
            + " | decode tok/s | step GB | bound ms | of bound (pipelined) |"
-           " memory GiB (prefill / decode) |",
+           " memory GiB (prefill / decode" + (" / generate" if timed_generate else "") + ") |",
            "|---|---:|---:|---:|---:|---:|" + ("---:|" if timed_generate else "")
            + "---:|---:|---:|---:|---|"]
   for r in rows:
@@ -341,7 +344,8 @@ def markdown_table(rows: list[dict]) -> str:
     if moved:
       cells += [f"{moved['total'] / 1e9:.3f}", f"{r['bound_ms']:.3f}",
                 f"{r['of_bound']:.2f} ({r['pipelined_of_bound']:.2f})",
-                f"{_gib(r['prefill_memory'])} / {_gib(r['decode_memory'])}"]
+                f"{_gib(r['prefill_memory'])} / {_gib(r['decode_memory'])}"
+                + (f" / {_gib(r.get('generate_memory'))}" if timed_generate else "")]
     else:
       cells += ["–", "–", "–", f"peak {_gib(r.get('peak_memory'))}"]
     lines.append(f"{head} {' | '.join(cells)} |")

@@ -84,9 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   # been fastest before; "dots" +3.9% / +2.3% / -1.2%; "none" -13% to -14% at 52-59 GiB;
   # docs/benchmarks.md, section 5).
   parser.add_argument("--remat", default="dots_attention", choices=REMAT_POLICIES)
-  parser.add_argument("--scan_layers", default="true", choices=("true", "false"),
-                      help="TrainConfig.scan_layers: the layer groups as one lax.scan (true) or"
-                           " unrolled (false: no stacked per-layer buffers, a longer compile)")
+  # Unrolled (as the paper recipes in lalte_jax/configs run) measured faster than the scan: one
+  # H200, 2026-11-29, B4 T4096, dots_attention: gdn_swa-0.4b 0.125 -> 0.117 s a step, lalte-0.4b
+  # 0.140 -> 0.130 s (the scan's saved activations go through per-layer stacked buffers, ~9 ms
+  # of copies a step; docs/benchmarks.md, section 5). It compiles 3-4x longer.
+  parser.add_argument("--scan_layers", default="false", choices=("true", "false"),
+                      help="TrainConfig.scan_layers: the layer groups as one lax.scan (true:"
+                           " compile time flat in depth) or unrolled (false: no stacked per-layer"
+                           " buffers, faster on GPUs, a longer compile)")
   parser.add_argument("--xla_flags", default="",
                       help="flags added to XLA_FLAGS for the step (they replace a setting of the"
                            " same flag there), e.g. --xla_flags=--xla_gpu_enable_dynamic_slice_"

@@ -15,6 +15,7 @@ from lalte_jax.train.config import TrainConfig
 def get_config() -> TrainConfig:
   return TrainConfig(
       variant="lalte", size="0.4b", model_dtype="bfloat16", remat="dots_attention",
+      scan_layers=False,  # unrolled: faster on GPUs than the scan (docs/benchmarks.md §5)
       data="pretokenized", data_dir="data/fineweb_edu_4096", seq_len=4096,
       global_batch_size=128, grad_accum_steps=1,
       steps=20_480, warmup_steps=1024, lr=3e-4, lr_min_ratio=0.1,

@@ -92,6 +92,7 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
     assert r["of_bound"] == pytest.approx(r["bound_ms"] / r["decode_ms"])
     assert r["pipelined_of_bound"] == pytest.approx(r["bound_ms"] / r["decode_pipelined_ms"])
     assert r["prefill_memory"] > 0 and r["decode_memory"] > 0
+    assert r["generate_memory"] > r["decode_memory"]  # the prefill runs in generate's program
     assert np.isfinite(r["generate_ms_per_token"])  # a difference of times: noisy on a CPU
     assert r["generate_of_bound"] == pytest.approx(r["bound_ms"] / r["generate_ms_per_token"])
   # laLTE's cache has a constant size; full attention reads more after a longer prompt.
@@ -99,7 +100,7 @@ def test_tiny_presets_rows_json_and_table(tmp_path, capsys):
   assert rows[3]["step_bytes"]["cache"] > rows[2]["step_bytes"]["cache"]
   printed = capsys.readouterr().out
   assert printed.count("| lalte-tiny | 2 |") == 2 and "of bound" in printed
-  assert "generate ms / token" in printed
+  assert "generate ms / token" in printed and "(prefill / decode / generate)" in printed
 
 
 def test_profile_generate_gives_the_per_token_difference_by_class(monkeypatch):
