@@ -61,13 +61,11 @@ def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits, chu
 # row by default. A decode step is ~700 small kernels and bound by their launches, so every run of
 # them, however short, goes into a graph: lalte-1.4b at batch 32 after a 4K prompt, bf16 weights,
 # one H100 (2026-11-26): 6.41 -> 5.17 ms a step, the same program measured in the same run with
-# and without the option (docs/benchmarks.md, History). Concurrent regions let a graph run
-# independent kernels of a step side by side (a layer's projections, the GDN state update beside
-# the next projections): `generate`, bf16 params after a 4K prompt, one H200 (2026-11-29), with
-# the option set in XLA_FLAGS against the default run before it: lalte-1.4b B32 2.65 -> 2.43 ms a
-# token, B1 1.90 -> 1.61; gdn_swa-1.4b 2.34 -> 2.23, 1.47 -> 1.46. Other backends ignore both.
-DECODE_COMPILER_OPTIONS = {"xla_gpu_graph_min_graph_size": 1,
-                           "xla_gpu_graph_enable_concurrent_region": True}
+# and without the option (docs/benchmarks.md, History). Other backends ignore it. (CUDA graphs
+# with concurrent regions help decoding too, but XLA reads that option from XLA_FLAGS only: as a
+# compile option here it changed nothing, so the serving entry points set it in the environment,
+# `lalte_jax.xla_flags.SERVING_GPU`.)
+DECODE_COMPILER_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
 
 
 def _decode(graphdef, state, token_B, cache):

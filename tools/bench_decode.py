@@ -29,10 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
+from lalte_jax import xla_flags
+
+xla_flags.apply_serving()  # before JAX creates a backend; as `generate`'s CLI runs
+
+# pylint: disable=wrong-import-position
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         f" batch {args.batch}, {args.dtype} activations, {args.param_dtype} parameters, random"
         f" weights; median of {args.steps}"
         f" steps after {args.warmup} warm-up; XLA options"
-        f" {dict(gen.DECODE_COMPILER_OPTIONS, **options)}.")
+        f" {dict(gen.DECODE_COMPILER_OPTIONS, **options)}; XLA_FLAGS"
+        f" {os.environ.get('XLA_FLAGS', '')!r}.")
   print(f"Command: python tools/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"
         "\n")
   print("| model | context | decode ms / step | tokens/s (batch) | cache MiB / sequence |")
@@ -210,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.json:
     common = {"batch": args.batch, "dtype": args.dtype, "param_dtype": args.param_dtype,
               "compiler_options": dict(gen.DECODE_COMPILER_OPTIONS, **options),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "device_kind": device.device_kind, "steps": args.steps, "warmup": args.warmup}
     with open(args.json, "w") as f:
       json.dump([{"preset": name, "context": context, **common,

@@ -78,7 +78,7 @@ if str(_REPO_ROOT) not in sys.path:  # run as a script from a checkout
 # pylint: disable=wrong-import-position
 from lalte_jax import xla_flags
 
-xla_flags.apply_workarounds()  # before JAX creates a backend
+xla_flags.apply_serving()  # before JAX creates a backend; as `generate`'s CLI runs
 
 import jax
 import jax.numpy as jnp

@@ -30,8 +30,8 @@
 #              1, 2, 4 (the fastest marked) (~7 min)
 #   remat      the 0.4b presets' training step under the remat policies attention, dots and
 #              dots_attention (4 sequences per GPU, routers at 12.5% kept; ~4 min)
-#   decodeflags the 1.4b decode step and `generate` with XLA's programmatic dependent launch and
-#              with concurrent CUDA-graph regions, each beside the default (~8 min)
+#   decodeflags the 1.4b decode step and `generate` with the serving flags, without them and with
+#              XLA's programmatic dependent launch on top (~8 min)
 #   layercopies the 0.4b pair's step scanned, with XLA's dynamic-slice fusion (with and without
 #              command buffers) and unrolled: the copies into and out of the scan's per-layer
 #              buffers (~6 min a round; --budget 560 keeps the first)
@@ -60,6 +60,8 @@
 #              the one-process step bit for bit (lalte-0.4b and 1.4b on 4 GPUs), and a bf16
 #              lalte-1.4b FSDP checkpoint of 4 processes resumed by 4, 2 and 1 processes on the
 #              same GPUs (~8 min)
+# The training steps run unrolled (bench_train's default since 2026-11-29), which compiles 3-4x
+# longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
 usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|layercopies|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
@@ -206,23 +208,23 @@ case "$stage" in
     # GPU time by op class, then both 1.4b presets at per-device batches 1, 2, 4.
     step 90 python3 tools/bench_router.py --presets lalte-0.4b lalte-1.4b \
       --json "$dest/router.json"
-    step 150 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 4 --steps 5 \
+    step 200 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 4 --steps 5 \
       --warmup 2 --lte_kept_fraction 0.125 --profile --profile_steps 2 \
       --json "$dest/train_0_4b.json"
-    step 200 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
+    step 360 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
       --steps 3 --warmup 1 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
     ;;
   remat)
     # Each policy's run holds the three presets, each in its own process (bench_train's default).
     for policy in attention dots dots_attention; do
-      step 170 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b lansa-0.4b \
+      step 240 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b lansa-0.4b \
         --batch 4 --steps 5 --warmup 2 --lte_kept_fraction 0.125 --remat "$policy" \
         --json "$dest/train_$policy.json"
     done
     ;;
   layercopies)
     # The scanned layer groups' per-layer buffers (the saved activations stacked over the
-    # groups): the step as it is, XLA's dynamic-slice fusion (library GEMMs reading and writing
+    # groups): the scanned step, XLA's dynamic-slice fusion (library GEMMs reading and writing
     # their slice of a stacked buffer in place instead of through a copy), the same without
     # command buffers (which can keep XLA from that fusion), and the groups unrolled; rounds in
     # alternation (the second is cut by --budget on a 10-minute slot).
@@ -230,9 +232,10 @@ case "$stage" in
            --warmup 2 --lte_kept_fraction 0.125)
     fusion=--xla_gpu_enable_dynamic_slice_fusion=true
     for round in 1 2; do
-      step 90 "${train[@]}" --json "$dest/scanned_$round.json"
-      step 90 "${train[@]}" --xla_flags="$fusion" --json "$dest/dsfusion_$round.json"
-      step 90 "${train[@]}" --xla_flags="$fusion --xla_gpu_enable_command_buffer=" \
+      step 90 "${train[@]}" --scan_layers true --json "$dest/scanned_$round.json"
+      step 90 "${train[@]}" --scan_layers true --xla_flags="$fusion" \
+        --json "$dest/dsfusion_$round.json"
+      step 90 "${train[@]}" --scan_layers true --xla_flags="$fusion --xla_gpu_enable_command_buffer=" \
         --json "$dest/dsfusion_nographs_$round.json"
       step 150 "${train[@]}" --scan_layers false --json "$dest/unrolled_$round.json"
     done
@@ -249,7 +252,7 @@ case "$stage" in
     # the same presets and shapes with the ratios to ours (the tool writes its JSON after every
     # row). Needs FLA's wheels (--wheels). FLA keeps its autotuning results in TRITON_CACHE_DIR,
     # so a second stage on the same machine starts faster.
-    step 110 python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
+    step 150 python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
       --warmup 2 --json "$dest/train_ours.json"
     step 470 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 \
       --ours "$dest/train_ours.json" --json "$dest/train_fla.json"
@@ -284,7 +287,7 @@ case "$stage" in
       -p no:cacheprovider
     step 150 python3 tools/bench_nsa.py --sweep --no-fla --no-parity --no-decode --lengths 4096 \
       --json "$dest/nsa_sweep.json"
-    step 120 python3 tools/bench_train.py --presets lansa-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
+    step 170 python3 tools/bench_train.py --presets lansa-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
       --warmup 2 --json "$dest/train.json"
     ;;
   serving)
@@ -299,13 +302,14 @@ case "$stage" in
       --json "$dest/serving.json"
     ;;
   decodeflags)
-    # XLA's launch-overlap options on the decode step and `generate`: programmatic dependent
-    # launch (a kernel's start overlapping its predecessor's tail, Hopper) and concurrent regions
-    # in the CUDA graphs, each against the step as it is, in alternation; lalte-1.4b and
-    # gdn_swa-1.4b at batch 32 and 1 after a 4K prompt.
+    # XLA's launch-overlap options on the decode step and `generate`: the serving flags as set
+    # (concurrent regions in the CUDA graphs, lalte_jax.xla_flags.SERVING_GPU), without them, and
+    # with programmatic dependent launch (a kernel's start overlapping its predecessor's tail,
+    # Hopper) on top, in alternation; lalte-1.4b and gdn_swa-1.4b at batch 32 and 1 after a 4K
+    # prompt. The first run also compiles the kernels (~150 s cold).
     serving=(python3 tools/bench_serving.py --presets lalte-1.4b gdn_swa-1.4b --batches 32 1
              --prompts 4096 --steps 10 --warmup 3 --prefill-iters 1 --generate 129 256)
-    for flags in "" --xla_gpu_enable_pdl=true "" --xla_gpu_graph_enable_concurrent_region=true; do
+    for flags in "" --xla_gpu_graph_enable_concurrent_region=false --xla_gpu_enable_pdl=true ""; do
       name=${flags:-default}; name=${name#--}; name=${name%%=*}
       step 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" "${serving[@]}" \
         --json "$dest/serving_${name}_$(date +%s).json"

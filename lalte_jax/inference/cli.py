@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import argparse
 
+from lalte_jax import xla_flags
+
+xla_flags.apply_serving()  # before JAX creates a backend
+
+# pylint: disable=wrong-import-position
 import jax
 
 from lalte_jax import cli_boundary

@@ -37,3 +37,25 @@ def test_missing_names_the_unset_settings_and_apply_can_replace():
   xla_flags.apply(*xla_flags.REPRODUCIBLE_GPU, environ=environ, replace=True)
   assert xla_flags.missing(*xla_flags.REPRODUCIBLE_GPU, environ=environ) == []
   assert "--xla_gpu_deterministic_ops=false" not in environ["XLA_FLAGS"].split()
+
+
+def test_apply_serving_adds_the_serving_flags_and_keeps_a_users_setting():
+  environ = {}
+  xla_flags.apply_serving(environ)
+  assert environ["XLA_FLAGS"].split() == [*xla_flags.CPU_WORKAROUNDS, *xla_flags.SERVING_GPU]
+  environ = {"XLA_FLAGS": "--xla_gpu_graph_enable_concurrent_region=false"}  # an A/B's off run
+  xla_flags.apply_serving(environ)
+  assert "--xla_gpu_graph_enable_concurrent_region=false" in environ["XLA_FLAGS"].split()
+  assert xla_flags.missing(*xla_flags.SERVING_GPU, environ=environ) == list(xla_flags.SERVING_GPU)
+
+
+def test_a_backend_starts_with_the_serving_flags(tmp_path):
+  """XLA aborts on a flag it does not know: the serving flags must parse on every platform."""
+  import os
+  import subprocess
+  import sys
+  environ = dict(os.environ, XLA_FLAGS=" ".join(xla_flags.SERVING_GPU))
+  code = "import jax, jax.numpy as jnp; print(int(jnp.ones(3).sum()))"
+  result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, check=False)
+  assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
