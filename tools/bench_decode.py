@@ -7,7 +7,9 @@
     python tools/bench_decode.py --presets lalte-1.4b --contexts 4096 \
         --compiler-option xla_gpu_graph_min_graph_size=5   # XLA's default, against ours (1)
 
-Random weights: float32, or with `--param-dtype bfloat16` bfloat16 matrices as a server holds them
+The process runs with the serving XLA flags of `lalte-generate` (`lalte_jax.xla_flags.SERVING_GPU`;
+XLA_FLAGS can override them and is recorded in the JSON). Random weights: float32, or with
+`--param-dtype bfloat16` bfloat16 matrices as a server holds them
 (`lalte_jax.inference.param_dtype`). For each preset and context length L the cache is set directly
 to the state after L tokens instead of running a prefill (a 64K prefill of full attention at batch
 32 is not what is measured): the GDN states and the SWA / LTE rings are full, full attention and NSA

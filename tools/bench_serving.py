@@ -13,10 +13,14 @@ decode of the same shapes in the same process.
     python tools/bench_serving.py --presets lalte-1.4b --batches 32 --prompts 4096 \\
         --generate 129 256 --profile-generate          # where a token of `generate` goes
 
-For each preset, prompt length P and batch B (in that order, so one preset's compiled programs
-are reused): B random prompts of P tokens (tools/bench_prefill.py's) run through the prefill that
-`generate` runs (`generate.prefill_fn`) into an empty cache with room for the decode steps; the
-median of `--prefill-iters` calls after one warm-up call gives the prefill tokens/s. From the
+The process runs with the serving XLA flags that `lalte-generate` sets
+(`lalte_jax.xla_flags.SERVING_GPU`; a setting of the same flag in XLA_FLAGS wins, e.g.
+`XLA_FLAGS=--xla_gpu_graph_enable_concurrent_region=false` for the step without concurrent
+CUDA-graph regions); the report records XLA_FLAGS. For each preset, prompt length P and batch B
+(in that order, so one preset's compiled programs are reused): B random prompts of P tokens
+(tools/bench_prefill.py's) run through the prefill that `generate` runs (`generate.prefill_fn`)
+into an empty cache with room for the decode steps; the median of `--prefill-iters` calls after
+one warm-up call gives the prefill tokens/s. From the
 last prefill's cache, `--warmup` and then `--steps` greedy decode steps (`generate.decode_step_fn`,
 the step `generate` runs, with its compiler options; the argmax token fed back) give the median
 ms per step and the batch's tokens/s, each step waited for before the next is sent. Then
