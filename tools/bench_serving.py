@@ -51,7 +51,8 @@ groups' parameters before its loop, 2026-11-29).
 
 Memory: each compiled program's footprint from XLA's memory analysis (arguments + outputs -
 donated + temporaries), the prefill's and the decode step's (and with `--generate`, generate's
-whole program): what the row needs at its peak.
+whole program, compiled once more for it; with JAX_COMPILATION_CACHE_DIR set, as
+tools/gpu_stages.sh sets it, the second compile is a lookup): what the row needs at its peak.
 
 `--compare-fla` adds, for every preset FLA 0.6.0 has a model of (GDN, GDN+SWA, GDN+Attn;
 tools/fla_models.py: the same config, random init, its attention on FLA's `parallel_attn`), a row
