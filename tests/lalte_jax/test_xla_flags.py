@@ -59,3 +59,16 @@ def test_a_backend_starts_with_the_serving_flags(tmp_path):
   result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path, check=False)
   assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
+
+
+def test_the_generation_cli_sets_the_serving_flags_before_jax_starts(tmp_path):
+  import os
+  import subprocess
+  import sys
+  code = ("import os, lalte_jax.inference.cli, jax; jax.devices();"
+          " print(os.environ['XLA_FLAGS'])")
+  environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, check=False)
+  assert result.returncode == 0, result.stderr
+  assert set(xla_flags.SERVING_GPU) <= set(result.stdout.split())
