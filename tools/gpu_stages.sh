@@ -245,7 +245,7 @@ case "$stage" in
     done
     ;;
   tma)
-    step 300 python3 tools/probe_tma_attention.py
+    step 300 python3 tools/probe_tma_attention.py --json "$dest/tma.json"
     ;;
   longprompt)
     # XLA's memory analysis of the compiled prefill and decode step gives each row's memory.

@@ -22,6 +22,7 @@ torch in the interpreter (largest relative error 6e-7 over o, dq, dk, dv); not y
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -393,6 +394,7 @@ def main(argv=None) -> int:
   parser.add_argument("--compile-only", action="store_true")
   parser.add_argument("--interpret", action="store_true",
                       help="check the kernels in Triton's interpreter on the CPU, then exit")
+  parser.add_argument("--json", default="", help="also write the timed rows here")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--length", type=int, default=4096)
   parser.add_argument("--forward", default="64,64,4,3;128,64,8,3;128,128,8,3;128,64,4,3",
@@ -427,7 +429,6 @@ def main(argv=None) -> int:
 def time_on_gpu(args, compiled, *, heads, kv_heads, dim, window) -> int:
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from pallas_kernels.benchmarking import Timed, paired_ms
   from pallas_kernels.masked_attention import masked_attention
 
@@ -473,7 +474,8 @@ def time_on_gpu(args, compiled, *, heads, kv_heads, dim, window) -> int:
                                  rounds=20)
       print(f"forward {config}: rel err {err:.1e}, {t_tma:.3f} ms = {t_tma / t_cudnn:.3f} x"
             f" cuDNN ({t_cudnn:.3f})", flush=True)
-      report.append(("forward", config, err, t_tma / t_cudnn))
+      report.append({"pass": "fwd", "kernel": "tma", "forward": config, "rel_err": [err],
+                     "ms": t_tma, "cudnn_ms": t_cudnn})
       if err < 2e-2 and ("forward" not in best or t_tma / t_cudnn < best["forward"][1]):
         best["forward"] = (config, t_tma / t_cudnn)
     except Exception as error:  # pylint: disable=broad-except
@@ -481,6 +483,8 @@ def time_on_gpu(args, compiled, *, heads, kv_heads, dim, window) -> int:
   t_ours, t_cudnn = paired_ms(Timed(jax.jit(ours), fwd_sets), Timed(jit_cudnn, fwd_sets),
                               warmup=5, rounds=20)
   print(f"forward Pallas (ours): {t_ours:.3f} ms = {t_ours / t_cudnn:.3f} x cuDNN", flush=True)
+  report.append({"pass": "fwd", "kernel": "pallas", "ms": t_ours, "cudnn_ms": t_cudnn})
+  write_report(args, report)
   if "forward" not in best:
     return 1
   fconfig = best["forward"][0]
@@ -500,6 +504,9 @@ def time_on_gpu(args, compiled, *, heads, kv_heads, dim, window) -> int:
         errs = [rel(a, b) for a, b in ((o, ref_o), (dq, ref_dq), (dk, ref_dk), (dv, ref_dv))]
         t_tma, t_cudnn = paired_ms(Timed(tma_fb, sets), Timed(cudnn_fb, sets), warmup=3,
                                    rounds=12)
+        report.append({"pass": "fwd+bwd", "kernel": "tma", "forward": fconfig, "dq": dq_config,
+                       "dkdv": dkdv_config, "rel_err": errs, "ms": t_tma, "cudnn_ms": t_cudnn})
+        write_report(args, report)
         print(f"fwd+bwd, fwd {fconfig} dq {dq_config} dkdv {dkdv_config}: rel err o/dq/dk/dv"
               f" {' '.join(f'{e:.1e}' for e in errs)}, {t_tma:.3f} ms = {t_tma / t_cudnn:.3f}"
               f" x cuDNN ({t_cudnn:.3f})", flush=True)
@@ -508,7 +515,19 @@ def time_on_gpu(args, compiled, *, heads, kv_heads, dim, window) -> int:
   t_ours, t_cudnn = paired_ms(Timed(fwd_bwd(ours), sets), Timed(cudnn_fb, sets), warmup=3,
                               rounds=12)
   print(f"fwd+bwd Pallas (ours): {t_ours:.3f} ms = {t_ours / t_cudnn:.3f} x cuDNN", flush=True)
+  report.append({"pass": "fwd+bwd", "kernel": "pallas", "ms": t_ours, "cudnn_ms": t_cudnn})
+  write_report(args, report)
   return 0
+
+
+def write_report(args, rows) -> None:
+  """--json: the rows so far (ms are medians of paired rounds, each beside cuDNN's)."""
+  if args.json:
+    import jax
+    with open(args.json, "w") as f:
+      json.dump({"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "triton": triton.__version__, "batch": args.batch, "length": args.length,
+                 "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
