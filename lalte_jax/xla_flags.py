@@ -82,5 +82,4 @@ def apply_workarounds(environ: MutableMapping[str, str] = os.environ) -> None:
 
 def apply_serving(environ: MutableMapping[str, str] = os.environ) -> None:
   """The workarounds and SERVING_GPU; call before JAX creates a backend."""
-  apply_workarounds(environ)
-  apply(*SERVING_GPU, environ=environ)
+  apply(*CPU_WORKAROUNDS, *SERVING_GPU, environ=environ)

@@ -14,8 +14,9 @@ output into the stream in place, and the MLP does the same (`add_chunks`), so no
 of the prompt and no whole output exist. The same computation as in one piece, so outputs and
 caches are unchanged (to rounding of the GDN state at the chunk boundaries). What still grows with
 the prompt: the residual stream, and an attention layer's keys and values (and the input they
-are projected from, while they are). For SWA and LTE layers a chunk's keys have the whole prompt's length,
-zeros (invalid) in front of the keys up to the chunk's end, because the attention ops align
+are projected from, while they are). For SWA and LTE layers a chunk's keys have the whole
+prompt's length, zeros (invalid) in front of the keys up to the chunk's end, because the
+attention ops align
 queries with the last keys: the loop is one compiled body, and their kernels visit only the
 window's tiles and the kept list. Full attention would also visit the zeros' tiles (about twice
 its work in one piece), and NSA pools its blocks from position 0, so their chunks take the keys

@@ -1,6 +1,19 @@
 """lalte_jax.xla_flags: flags are added once, a user's setting wins unless replaced."""
 
+import os
+import subprocess
+import sys
+
 from lalte_jax import xla_flags
+
+
+def _python(code: str, xla_flags_value: str | None, cwd) -> subprocess.CompletedProcess:
+  """`python -c code` in a fresh process whose XLA_FLAGS is this value (None: unset)."""
+  environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if xla_flags_value is not None:
+    environ["XLA_FLAGS"] = xla_flags_value
+  return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                        text=True, timeout=120, cwd=cwd, check=False)
 
 
 def test_flags_are_added_once_and_keep_the_users_value():
@@ -51,24 +64,13 @@ def test_apply_serving_adds_the_serving_flags_and_keeps_a_users_setting():
 
 def test_a_backend_starts_with_the_serving_flags(tmp_path):
   """XLA aborts on a flag it does not know: the serving flags must parse on every platform."""
-  import os
-  import subprocess
-  import sys
-  environ = dict(os.environ, XLA_FLAGS=" ".join(xla_flags.SERVING_GPU))
-  code = "import jax, jax.numpy as jnp; print(int(jnp.ones(3).sum()))"
-  result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, check=False)
+  result = _python("import jax, jax.numpy as jnp; print(int(jnp.ones(3).sum()))",
+                   " ".join(xla_flags.SERVING_GPU), tmp_path)
   assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
 
 
 def test_the_generation_cli_sets_the_serving_flags_before_jax_starts(tmp_path):
-  import os
-  import subprocess
-  import sys
-  code = ("import os, lalte_jax.inference.cli, jax; jax.devices();"
-          " print(os.environ['XLA_FLAGS'])")
-  environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, check=False)
+  result = _python("import os, lalte_jax.inference.cli, jax; jax.devices();"
+                   " print(os.environ['XLA_FLAGS'])", None, tmp_path)
   assert result.returncode == 0, result.stderr
   assert set(xla_flags.SERVING_GPU) <= set(result.stdout.split())
