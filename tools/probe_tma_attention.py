@@ -276,8 +276,8 @@ def launcher(compiled, kind, *, grid, num_warps):
   from jax._src.core import ShapedArray
   from jax._src.lib import gpu_triton
   from jax._src.lib.mlir import ir
+  from jax._src.interpreters import mlir  # custom_call is not in the public module
   from jax.extend import core as jex_core
-  from jax.interpreters import mlir
 
   md = compiled.metadata
   prim = jex_core.Primitive(f"tma_swa_{kind}")
