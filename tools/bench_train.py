@@ -79,11 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="sequences per device per micro-batch; several values: each is timed"
                            " (up to the first that runs out of memory) and the fastest marked")
   parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
-  # "dots_attention" measured fastest at every preset timed (one H200, 2026-11-29, B4 T4096:
-  # gdn_swa-0.4b / lalte-0.4b / lansa-0.4b +4.4% / +4.8% / +4.1% over "attention", which had
-  # been fastest before; "dots" +3.9% / +2.3% / -1.2%; "none" -13% to -14% at 52-59 GiB;
-  # docs/benchmarks.md, section 5).
-  parser.add_argument("--remat", default="dots_attention", choices=REMAT_POLICIES)
+  # "none" measured fastest with the layer groups unrolled (one H200, 2026-11-29, B4 T4096,
+  # routers at 12.5% kept): gdn_swa-0.4b / lalte-0.4b / lansa-0.4b 154,913 / 138,731 / 111,884
+  # tokens/s against "dots_attention"'s 139,618 / 125,553 / 104,193 (+11%, +10%, +7%) at 27-30
+  # against 18-20 GiB; gdn_swa-1.4b 45.0% MFU at B4 (57 GiB). Scanned, "none" had been 13-14%
+  # slower: its saved activations went through the scan's stacked buffers (docs/benchmarks.md §5).
+  parser.add_argument("--remat", default="none", choices=REMAT_POLICIES)
   # Unrolled (as the paper recipes in lalte_jax/configs run) measured faster than the scan: one
   # H200, 2026-11-29, B4 T4096, dots_attention: gdn_swa-0.4b 0.125 -> 0.117 s a step, lalte-0.4b
   # 0.140 -> 0.130 s (the scan's saved activations go through per-layer stacked buffers, ~9 ms

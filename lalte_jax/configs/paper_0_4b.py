@@ -14,7 +14,10 @@ from lalte_jax.train.config import TrainConfig
 
 def get_config() -> TrainConfig:
   return TrainConfig(
-      variant="lalte", size="0.4b", model_dtype="bfloat16", remat="dots_attention",
+      variant="lalte", size="0.4b", model_dtype="bfloat16",
+      # Keeps every activation: fastest unrolled, 8 sequences of 4096 a GPU in 49-54 GiB
+      # (docs/benchmarks.md §5).
+      remat="none",
       scan_layers=False,  # unrolled: faster on GPUs than the scan (docs/benchmarks.md §5)
       data="pretokenized", data_dir="data/fineweb_edu_4096", seq_len=4096,
       global_batch_size=128, grad_accum_steps=1,

@@ -5,6 +5,10 @@ AdamW (0.9, 0.95, eps 1e-15, wd 0.1), clip 1.0, bf16 compute with float32 master
 The reference ran 2 GPUs x 8 sequences x 16 accumulation steps; grad_accum_steps=16 keeps its
 micro-batch of 16 sequences (8 per GPU on 2 GPUs). Variants: gdn, gdn_swa, lalte, lansa,
 gdn_attn, nsa, transformer (pure_lte and lte_mlp exist only at 0.4B).
+Remat `dots_attention` recomputes elementwise work to save memory (40-41 GiB at 4 sequences a
+GPU); where 4 sequences a GPU fit without recompute (57-60 GiB), `--set remat=none` with
+grad_accum_steps raised to match trains faster (gdn_swa-1.4b 45.0% against 42.2% MFU on one
+H200, docs/benchmarks.md §5).
 Example: python -m lalte_jax.train --config lalte_jax/configs/paper_1_4b.py --set variant=lansa \
              --set data_dir=/data/fineweb_edu_4096
 """
