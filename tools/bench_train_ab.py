@@ -12,7 +12,11 @@ the ratio of the two step times of one round compares moments close together: pe
 table gives each round's step times and `this / base`, then the median ratio (< 1: this tree's
 step is shorter). The trees' tokens/s ratios to another preset of the same run (e.g. lalte-0.4b
 over gdn_swa-0.4b) are in the JSON (`--json`), which holds every bench_train result with its tree
-and round. Exit status: 0 when every run of both trees succeeded.
+and round. Both trees get the same arguments, so a default that differs between them (e.g.
+`--remat` or `--scan_layers`, both changed on 2026-11-29) makes the trees run different
+settings: the settings each tree recorded are compared per preset, and any that differ are
+listed under the table and in the JSON (`settings_differ`); give them after `--` to pin them.
+Exit status: 0 when every run of both trees succeeded.
 """
 
 from __future__ import annotations
@@ -65,21 +69,32 @@ def run_tree(tree: pathlib.Path, bench_argv: list[str]) -> list[dict]:
     return json.loads(output.read_text())
 
 
+# bench_train's result fields that say what was run; a tree that does not record one (an older
+# bench_train) shows None.
+SETTINGS = ("seq_len", "grad_accum", "remat", "scan_layers", "dtype", "implementation",
+            "lte_kept_fraction_set", "loss_chunk_tokens", "mesh_fsdp", "xla_flags")
+
+
 def summary(results: list[dict]) -> list[dict]:
-  """Per (preset, batch): each round's step times of both trees, the ratio this / base, and the
-  median ratio over the rounds where both ran."""
-  rows = {}
+  """Per (preset, batch): each round's step times of both trees, the ratio this / base, the
+  median ratio over the rounds where both ran, and the settings whose recorded values differ
+  between the trees ({name: [base, this]})."""
+  rows, settings = {}, {}
   for r in results:
     key = (r["preset"], str(r.get("batch_per_device")))
     row = rows.setdefault(key, {"preset": r["preset"], "batch": r.get("batch_per_device"),
                                 "rounds": {}})
     row["rounds"].setdefault(r["round"], {})[r["tree"]] = (
         r.get("step_time_s") if r.get("status") == "ok" else None)
-  for row in rows.values():
+    settings.setdefault(key, {}).setdefault(r["tree"], {name: r.get(name) for name in SETTINGS})
+  for key, row in rows.items():
     ratios = [times["this"] / times["base"] for times in row["rounds"].values()
               if times.get("this") and times.get("base")]
     row["ratios"] = ratios
     row["median_ratio"] = statistics.median(ratios) if ratios else None
+    base, this = settings[key].get("base"), settings[key].get("this")
+    row["settings_differ"] = {} if base is None or this is None else {
+        name: [base[name], this[name]] for name in SETTINGS if base[name] != this[name]}
   return list(rows.values())
 
 
@@ -95,6 +110,12 @@ def markdown(rows: list[dict]) -> str:
                    f" {ratio} |")
     median = "-" if row["median_ratio"] is None else f"**{row['median_ratio']:.4f}**"
     lines.append(f"| {row['preset']} | {row['batch']} | median | | | {median} |")
+  for row in rows:
+    if row.get("settings_differ"):
+      differ = "; ".join(f"{name} {base!r} / {this!r}"
+                         for name, (base, this) in row["settings_differ"].items())
+      lines.append(f"\n{row['preset']} (batch {row['batch']}): the trees ran different settings"
+                   f" (base / this): {differ}; pin them after '--' to time the code alone")
   return "\n".join(lines)
 
 

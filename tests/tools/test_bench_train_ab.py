@@ -67,6 +67,21 @@ def test_summary_pairs_the_rounds_and_takes_the_median_ratio():
   assert "| p | 4 | 3 | - | - | - |" in table and "| p | 4 | median | | | **0.9000** |" in table
 
 
+def test_summary_names_the_settings_the_trees_ran_differently():
+  ab = load_tool("bench_train_ab")
+  common = {"preset": "p", "batch_per_device": 4, "round": 0, "status": "ok", "seq_len": 4096,
+            "dtype": "bfloat16"}
+  base = {**common, "tree": "base", "step_time_s": 0.100, "remat": "dots_attention"}
+  this = {**common, "tree": "this", "step_time_s": 0.090, "remat": "none", "scan_layers": False}
+  (row,) = ab.summary([base, this])
+  assert row["settings_differ"] == {"remat": ["dots_attention", "none"],
+                                    "scan_layers": [None, False]}
+  assert ("p (batch 4): the trees ran different settings (base / this): remat 'dots_attention'"
+          " / 'none'; scan_layers None / False" in ab.markdown([row]))
+  (same,) = ab.summary([base, {**this, "remat": "dots_attention", "scan_layers": None}])
+  assert same["settings_differ"] == {} and "different settings" not in ab.markdown([same])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--base", "x"], "after '--'"),
     (["--base", str(REPO), "--", "--presets", "p"], "is this checkout"),
