@@ -35,6 +35,8 @@
 #   layercopies the 0.4b pair's step scanned, with XLA's dynamic-slice fusion (with and without
 #              command buffers) and unrolled: the copies into and out of the scan's per-layer
 #              buffers (~6 min a round; --budget 560 keeps the first)
+#   batches    the training step at the per-device batches bench_train picks from (the fastest
+#              that fits marked): gdn_swa and lalte at 0.4b (4, 8, 16) and 1.4b (4, 8) (~9 min)
 #   tma        SWA-1024 as native Triton kernels with TMA descriptors (tools/probe_tma_attention.py)
 #              against our Pallas kernels and cuDNN, forward and forward+backward (~4 min)
 #   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
@@ -66,7 +68,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|layercopies|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -82,7 +84,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|layercopies|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -225,6 +227,14 @@ case "$stage" in
         --batch 4 --steps 5 --warmup 2 --lte_kept_fraction 0.125 --remat "$policy" \
         --json "$dest/train_$policy.json"
     done
+    ;;
+  batches)
+    # MFU and laLTE's ratio are quoted at each preset's fastest batch that fits; each batch is a
+    # child process, and a preset stops at its first batch that runs out of memory.
+    step 330 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 4 8 16 \
+      --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_0_4b.json"
+    step 220 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 4 8 \
+      --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
     ;;
   layercopies)
     # The scanned layer groups' per-layer buffers (the saved activations stacked over the
