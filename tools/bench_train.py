@@ -65,6 +65,7 @@ from lalte_jax import xla_flags  # pylint: disable=wrong-import-position
 xla_flags.apply_workarounds()  # before JAX creates a backend
 
 from lalte_jax.config import REMAT_POLICIES  # pylint: disable=wrong-import-position
+from lalte_jax.train.metrics import is_out_of_memory  # pylint: disable=wrong-import-position
 
 DEFAULT_PRESETS = ("lalte-0.4b", "lansa-0.4b", "nsa-0.4b", "gdn_swa-0.4b", "gdn_attn-0.4b")
 RESULT_PREFIX = "BENCH_RESULT "
@@ -138,12 +139,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:
     parser.error(f"--mem_fraction must lie in (0, 1], got {args.mem_fraction}")
   return args
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` is XLA running out of device memory (at compile or at run time)."""
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
 def _xla_flops(compiled) -> float | None:

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
       exit_codes={0: "done, or stopped by SIGTERM/SIGINT after saving",
                   3: "too many non-finite steps in a row (max_consecutive_skips)",
                   4: "no step finished within step_timeout_s (watchdog)",
+                  5: "the step does not fit the devices' memory (the message names the"
+                     " settings that save memory)",
                   134: "multi-process: a peer died"},
       example="python -m lalte_jax.train --config readme_demo --set output_dir=runs/demo"
               " --set steps=100")
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.checkpointing import CHECKPOINT_DIR, RunCheckpoints  # pylint: disable=import-outside-toplevel
   from lalte_jax.train.step import TooManySkippedSteps  # pylint: disable=import-outside-toplevel
-  from lalte_jax.train.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  from lalte_jax.train.trainer import StepOutOfMemory, Trainer  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
     print(f"{config.model_name}: {jax.device_count()} devices on {jax.process_count()}"
           f" process(es), {config.steps} steps of {config.global_batch_size} x {config.seq_len}"
@@ -109,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
       trainer.logger.close()
       print(f"error: {error}", file=sys.stderr)
       return 3
+    except StepOutOfMemory as error:
+      trainer.logger.close()
+      print(f"error: {error}", file=sys.stderr)
+      return 5
   finally:
     if checkpoints is not None:
       checkpoints.close()  # waits for saves still being written

@@ -80,6 +80,12 @@ def peak_memory_gib(devices) -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device memory (at compile or at run time)."""
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
 # Shown on the progress bar: the training step's metrics, then the latest held-out evaluation's.
 BAR_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "eval_loss", "eval_perplexity",
                "eval_bits_per_byte", "eval_recall_accuracy")

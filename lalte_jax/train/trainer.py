@@ -37,7 +37,7 @@ from lalte_jax.loss import masked_cross_entropy_sum
 from lalte_jax.train import checkpointing, export, resume, sharding
 from lalte_jax.train.config import TrainConfig
 from lalte_jax.train.metrics import (MetricsLogger, flops_per_token, format_metrics,
-                                     peak_flops_per_device, peak_memory_gib)
+                                     is_out_of_memory, peak_flops_per_device, peak_memory_gib)
 from lalte_jax.train.step import (TrainState, check_skipped_steps, init_train_state, make_train_step,
                         model_graphdef)
 from lalte_jax.train.watchdog import StepWatchdog
@@ -91,6 +91,26 @@ def with_labels(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   labels = np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], IGNORE_LABEL)], axis=1)
   return {"tokens": tokens, "labels": labels}
 
+
+
+class StepOutOfMemory(RuntimeError):
+  """The training step needs more device memory than there is (at compile or at run time)."""
+
+
+def out_of_memory_advice(config: TrainConfig, batch_devices: int, error: BaseException) -> str:
+  """What ran out of memory and the settings that trade speed for memory, with XLA's first line."""
+  per_device = config.micro_batch_size / batch_devices
+  less_recompute = {"none": "'dots_attention' (recomputes elementwise work only) or 'block'",
+                    "dots": "'dots_attention' or 'block'", "attention": "'block'",
+                    "dots_attention": "'block' (recomputes each layer group)"}.get(config.remat)
+  remat = (f", or remat={less_recompute} instead of {config.remat!r}" if less_recompute
+           else "")
+  return (f"train step: out of memory on the device at {per_device:g} sequences of"
+          f" {config.seq_len} tokens per device per micro-batch (global_batch_size"
+          f" {config.global_batch_size} / grad_accum_steps {config.grad_accum_steps} /"
+          f" {batch_devices} data x fsdp devices) with remat={config.remat!r}. Fewer sequences"
+          f" per micro-batch: a larger grad_accum_steps (it divides global_batch_size){remat};"
+          f" or more devices on the fsdp axis. XLA: {str(error).strip().splitlines()[0][:300]}")
 
 class Trainer:
 
@@ -167,11 +187,18 @@ class Trainer:
                                             config.peak_tflops_per_device)
 
   def train_step(self, local_batch: dict[str, np.ndarray]) -> dict:
-    """One optimizer step on this process's rows; returns the step's metrics (device arrays)."""
+    """One optimizer step on this process's rows; returns the step's metrics (device arrays).
+    Raises StepOutOfMemory when the step does not fit the devices' memory."""
     batch = sharding.global_batch(with_labels(local_batch), self.mesh)
     with warnings.catch_warnings():  # CPU cannot donate buffers; harmless there
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      self.state, metrics = self.step_fn(self.state, batch)
+      try:
+        self.state, metrics = self.step_fn(self.state, batch)
+      except jax.errors.JaxRuntimeError as error:
+        if not is_out_of_memory(error):
+          raise
+        raise StepOutOfMemory(out_of_memory_advice(
+            self.config, sharding.batch_devices(self.mesh), error)) from error
     return metrics
 
   def run(self) -> dict:

@@ -149,7 +149,8 @@ def test_help_names_the_configs_fields_exit_codes_and_an_example(capsys):
   for name in shipped_configs():
     assert name in text
   assert "--list-fields prints them all" in text and "--set model.NAME=VALUE" in text
-  for code in ("0 done", "2 bad input", "3 too many non-finite steps", "4 no step finished"):
+  for code in ("0 done", "2 bad input", "3 too many non-finite steps", "4 no step finished",
+               "5 the step does not fit"):
     assert code in text
 
 
@@ -250,3 +251,17 @@ def test_a_reproducible_trainer_on_a_gpu_refuses_to_start_without_the_flags(monk
   with pytest.raises(ValueError, match="TrainConfig.reproducible: XLA_FLAGS lacks"
                      " --xla_gpu_deterministic_ops=true"):
     trainer.Trainer(TrainConfig(reproducible=True))
+
+
+@pytest.mark.slow  # init of a tiny model
+def test_a_step_out_of_memory_exits_5_with_one_line_of_advice(tmp_path, monkeypatch, capsys):
+  from lalte_jax.train import trainer  # pylint: disable=import-outside-toplevel
+
+  def out_of_memory(self, local_batch):
+    raise trainer.StepOutOfMemory("train step: out of memory on the device at 8 sequences")
+
+  monkeypatch.setattr(trainer.Trainer, "train_step", out_of_memory)
+  assert main(["--config", "tiny_mqar", "--set", f"output_dir={tmp_path}/run",
+               "--set", "progress_bar=false", "--set", "save_checkpoints=false"]) == 5
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      "error: train step: out of memory on the device at 8 sequences")
