@@ -3,6 +3,8 @@ training step through the Pallas kernels vs the XLA reference.
 
     python tools/bench_attention.py            # B8 T4096, B4 T8192, B2 T16384 (Hq32 Hkv8 D64 bf16)
     python tools/bench_attention.py --quick    # B8 T4096 only
+    python tools/bench_attention.py --sweep --heads 16 16 --lte 769 512 --only "LTE train" --no-fla \
+        --no-checks    # backward blocks at a lalte-0.4b layer (G=1, routers keeping 12.5%)
 
 Timed: each JAX variant in alternation with its anchor (`paired_ms`: --iters rounds of one pass
 over three input sets each, after --warmup; the ratio is of the two medians, so both see the same
@@ -35,7 +37,7 @@ from pallas_kernels.masked_attention import pallas as attention_pallas
 from pallas_kernels.masked_attention.tiling import BlockSizes
 
 SHAPES = ((8, 4096), (4, 8192), (2, 16384))
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64
+HEAD_DIM = 64
 # Block-size candidates timed by --sweep (B8 T4096). SWEEP_FORWARD changes forward blocks only and
 # is timed "fwd" on SWA-1024 and on the LTE prefill. SWEEP_BACKWARD changes backward blocks only
 # and is timed "fwd+bwd" on SWA-1024 and on the LTE training call.
@@ -64,8 +66,33 @@ SWEEP_BACKWARD = (
     BlockSizes(block_q_dq=64, block_k_dq=32, block_q_dkv=32, block_k_dkv=64, num_stages_bwd=3),
     BlockSizes(block_q_dq=128, block_k_dq=32, block_q_dkv=32, block_k_dkv=128, num_warps_bwd=8),
     BlockSizes(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages_bwd=3),
+    # The kept-list dk/dv kernel split into query chunks (float32 atomics) below 8192 queries:
+    # more, shorter programs where one per list tile leaves the GPU part idle (few KV heads).
+    BlockSizes(kept_split_from=1, kept_split_tiles=8),
+    BlockSizes(kept_split_from=1, kept_split_tiles=4),
+    BlockSizes(kept_split_from=1, kept_split_tiles=2),
 )
-SWA_WINDOW, LTE_WINDOW_KEYS, LTE_SINKS, LTE_KEPT = 1024, 769, 4, 256
+SWA_WINDOW, LTE_SINKS = 1024, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Heads and the LTE calls' window (keys a query sees, itself included) and kept keys per KV
+  head. The defaults are the shape the kernels were tuned at (a lalte-1.4b layer: 32 query heads
+  over 8 KV heads); `--heads 16 16 --lte 769 512` is a lalte-0.4b layer (one query head per KV
+  head) with its routers keeping 12.5% of 4096 tokens."""
+  num_q_heads: int = 32
+  num_kv_heads: int = 8
+  lte_window_keys: int = 769
+  lte_kept: int = 256
+
+  @property
+  def lte_train(self) -> str:
+    return f"ours LTE train ({self.lte_window_keys} + {LTE_SINKS} sinks + {self.lte_kept} kept)"
+
+  @property
+  def lte_prefill(self) -> str:
+    return f"ours LTE prefill ({self.lte_window_keys} + {self.lte_kept} kept)"
 
 
 def random_kept(key, batch, length, num_kv_heads, count):
@@ -75,7 +102,7 @@ def random_kept(key, batch, length, num_kv_heads, count):
   return jnp.transpose(scores >= threshold, (0, 2, 1))
 
 
-def kept_list_alone(q, k, v, kept, key_valid):
+def kept_list_alone(q, k, v, kept, key_valid, *, window_size):
   """What masked_attention computes in XLA before the LTE prefill kernel (no key padding mask):
   the list's positions and the per-tile counts (the prefill reads K/V by position, no copies)."""
   del key_valid
@@ -84,11 +111,11 @@ def kept_list_alone(q, k, v, kept, key_valid):
                                   num_sinks=0, kept_BSK=kept, key_valid_BS=None)
   kept_list, counts = compaction.kept_list_and_counts(
       listed, capacity=length, block_qs=(BlockSizes().block_q,), padded_query_len=q.shape[1],
-      query_offset=0, window_size=LTE_WINDOW_KEYS)
+      query_offset=0, window_size=window_size)
   return kept_list.positions_BKC, counts
 
 
-def jax_variants(block_sizes=None):
+def jax_variants(block_sizes=None, geometry=Geometry()):
   """name -> (attention fn of (q, k, v, kept, key_valid), anchor name).
 
   kept/key_valid are jit arguments: closed over, they would be constants that XLA folds slowly.
@@ -103,6 +130,7 @@ def jax_variants(block_sizes=None):
     return attn
 
   ours = functools.partial(ours_blocks, block_sizes)
+  window = geometry.lte_window_keys
 
   cudnn = lambda window: (lambda q, k, v, kept, key_valid: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="cudnn",
@@ -110,18 +138,17 @@ def jax_variants(block_sizes=None):
   return {
       "cuDNN SWA-1024": (cudnn(SWA_WINDOW), "cuDNN SWA-1024"),
       "ours SWA-1024": (ours(window_size=SWA_WINDOW), "cuDNN SWA-1024"),
-      "ours LTE train (769 + 4 sinks + 256 kept)": (
-          ours(True, window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
-      "ours LTE prefill (769 + 256 kept)": (
-          ours(True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      geometry.lte_train: (
+          ours(True, window_size=window, num_sinks=LTE_SINKS), "cuDNN SWA-1024"),
+      geometry.lte_prefill: (ours(True, window_size=window), "cuDNN SWA-1024"),
       # The prefill's window part alone: what the kept list adds to the prefill is the difference.
-      "ours SWA-769 (the prefill without its kept list)": (
-          ours(window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
-      "ours LTE prefill + padding mask": (
-          ours(True, True, window_size=LTE_WINDOW_KEYS), "cuDNN SWA-1024"),
+      f"ours SWA-{window} (the prefill without its kept list)": (
+          ours(window_size=window), "cuDNN SWA-1024"),
+      "ours LTE prefill + padding mask": (ours(True, True, window_size=window), "cuDNN SWA-1024"),
       # The XLA part of the prefill alone (kept list: positions, gathered K/V copies, per-tile
       # counts), to tell it from the kernel's time.
-      "ours LTE prefill's kept list alone": (kept_list_alone, "cuDNN SWA-1024"),
+      "ours LTE prefill's kept list alone": (
+          functools.partial(kept_list_alone, window_size=window), "cuDNN SWA-1024"),
       "cuDNN causal": (cudnn(None), "cuDNN causal"),
       "ours causal": (ours(), "cuDNN causal"),
   }
@@ -158,25 +185,27 @@ def selected(name: str, only) -> bool:
   return any(name == word[1:] if word.startswith("=") else word in name for word in only)
 
 
-def input_sets(batch, length, sets=3):
+def input_sets(batch, length, geometry, sets=3):
   """(forward sets (q, k, v, kept, key_valid), fwd+bwd sets (q, k, v, do, kept, key_valid)):
   bf16 normals, `random_kept` columns shared by the sets, no padding."""
+  heads, kv_heads = geometry.num_q_heads, geometry.num_kv_heads
   keys = jax.random.split(jax.random.key(0), 4 * sets + 1)
   normal = lambda key, heads: jax.random.normal(
       key, (batch, length, heads, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
-  arg_sets = [(normal(keys[4 * i], NUM_Q_HEADS), normal(keys[4 * i + 1], NUM_KV_HEADS),
-               normal(keys[4 * i + 2], NUM_KV_HEADS), normal(keys[4 * i + 3], NUM_Q_HEADS))
+  arg_sets = [(normal(keys[4 * i], heads), normal(keys[4 * i + 1], kv_heads),
+               normal(keys[4 * i + 2], kv_heads), normal(keys[4 * i + 3], heads))
               for i in range(sets)]
-  kept = random_kept(keys[-1], batch, length, NUM_KV_HEADS, LTE_KEPT)
+  kept = random_kept(keys[-1], batch, length, kv_heads, geometry.lte_kept)
   key_valid = jnp.ones((batch, length), bool)
   return ([(q, k, v, kept, key_valid) for q, k, v, _ in arg_sets],
           [(q, k, v, do, kept, key_valid) for q, k, v, do in arg_sets])
 
 
 def bench_jax(batch, length, args, results):
-  fwd_sets, bwd_sets = input_sets(batch, length)
+  geometry = args.geometry
+  fwd_sets, bwd_sets = input_sets(batch, length, geometry)
   shape = f"B{batch} T{length}"
-  variants = jax_variants()
+  variants = jax_variants(geometry=geometry)
   if args.only:
     variants = {name: value for name, value in variants.items()
                 if selected(name, args.only)}
@@ -185,9 +214,9 @@ def bench_jax(batch, length, args, results):
     variants = {"cuDNN SWA-1024": jax_variants()["cuDNN SWA-1024"]}
     modes = {"cuDNN SWA-1024": ("fwd", "fwd+bwd")}
     swept = (("ours SWA-1024", "fwd", SWEEP_FORWARD),
-             ("ours LTE prefill (769 + 256 kept)", "fwd", SWEEP_FORWARD),
+             (geometry.lte_prefill, "fwd", SWEEP_FORWARD),
              ("ours SWA-1024", "fwd+bwd", SWEEP_BACKWARD),
-             ("ours LTE train (769 + 4 sinks + 256 kept)", "fwd+bwd", SWEEP_BACKWARD))
+             (geometry.lte_train, "fwd+bwd", SWEEP_BACKWARD))
     for base, tag, candidates in swept:
       for blocks in candidates:
         changed = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)
@@ -195,7 +224,7 @@ def bench_jax(batch, length, args, results):
         name = f"{base} {changed or 'defaults'}"
         if args.only and not selected(name, args.only):
           continue
-        variants[name] = (jax_variants(blocks)[base][0], "cuDNN SWA-1024")
+        variants[name] = (jax_variants(blocks, geometry)[base][0], "cuDNN SWA-1024")
         modes[name] = modes.get(name, ()) + (tag,)
   # Sustained load first: without it the first variant timed (the anchor) measured up to ~10%
   # slow on one H100 while the clocks ramped up (2026-11-22), which flattered every ratio.
@@ -230,8 +259,9 @@ def bench_fla(batch, length, args, results):
   gen = torch.Generator(device="cuda").manual_seed(0)
   normal = lambda heads: torch.randn(batch, length, heads, HEAD_DIM, device="cuda",
                                      dtype=torch.bfloat16, generator=gen)
-  arg_sets = [(normal(NUM_Q_HEADS), normal(NUM_KV_HEADS), normal(NUM_KV_HEADS),
-               normal(NUM_Q_HEADS)) for _ in range(3)]
+  heads, kv_heads = args.geometry.num_q_heads, args.geometry.num_kv_heads
+  arg_sets = [(normal(heads), normal(kv_heads), normal(kv_heads), normal(heads))
+              for _ in range(3)]
   sync = lambda _: torch.cuda.synchronize()
   for window, name, anchor in ((SWA_WINDOW, "FLA SWA-1024", "cuDNN SWA-1024"),
                                (None, "FLA causal", "cuDNN causal")):
@@ -258,24 +288,25 @@ def relative_error(actual, expected) -> float:
   return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
 
 
-def parity_checks():
+def parity_checks(geometry):
   """Ours vs cuDNN (SWA-1024, B8 T4096) and vs the XLA reference (LTE, B1 T4096): fwd and grads."""
   lines = []
+  heads, kv_heads = geometry.num_q_heads, geometry.num_kv_heads
   keys = jax.random.split(jax.random.key(7), 5)
   for batch, against in ((8, "cuDNN"), (1, "reference")):
     shape = lambda heads: (batch, 4096, heads, HEAD_DIM)
-    q = jax.random.normal(keys[0], shape(NUM_Q_HEADS)).astype(jnp.bfloat16)
-    k = jax.random.normal(keys[1], shape(NUM_KV_HEADS)).astype(jnp.bfloat16)
-    v = jax.random.normal(keys[2], shape(NUM_KV_HEADS)).astype(jnp.bfloat16)
-    do = jax.random.normal(keys[3], shape(NUM_Q_HEADS)).astype(jnp.bfloat16)
+    q = jax.random.normal(keys[0], shape(heads)).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], shape(kv_heads)).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], shape(kv_heads)).astype(jnp.bfloat16)
+    do = jax.random.normal(keys[3], shape(heads)).astype(jnp.bfloat16)
     if against == "cuDNN":
       kwargs = dict(window_size=SWA_WINDOW)
       expected_fn = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=True, implementation="cudnn", local_window_size=(SWA_WINDOW - 1, 0))
       label = "SWA-1024 B8 T4096 vs cuDNN"
     else:
-      kept = random_kept(keys[4], batch, 4096, NUM_KV_HEADS, LTE_KEPT)
-      kwargs = dict(window_size=LTE_WINDOW_KEYS, num_sinks=LTE_SINKS, kept_BSK=kept)
+      kept = random_kept(keys[4], batch, 4096, kv_heads, geometry.lte_kept)
+      kwargs = dict(window_size=geometry.lte_window_keys, num_sinks=LTE_SINKS, kept_BSK=kept)
       f32 = lambda x: x.astype(jnp.float32)
       expected_fn = lambda q, k, v: reference.masked_attention(
           f32(q), f32(k), f32(v), **kwargs).astype(jnp.bfloat16)
@@ -358,10 +389,25 @@ def main(argv=None) -> int:
                       " or, for a word '=NAME', is NAME (with --sweep: only those candidates;"
                       " cuDNN SWA-1024 is always timed)")
   parser.add_argument("--no-checks", action="store_true", help="skip parity and model checks")
+  parser.add_argument("--heads", type=int, nargs=2, default=None, metavar=("HQ", "HKV"),
+                      help="query and KV heads (default 32 8)")
+  parser.add_argument("--lte", type=int, nargs=2, default=None, metavar=("WINDOW_KEYS", "KEPT"),
+                      help="the LTE calls' window in keys and kept keys per KV head (default"
+                           " 769 256)")
   parser.add_argument("--json", help="also write every timing here (tools/plot_results.py"
                       " --kernel-bench draws time against sequence length from it)")
   args = parser.parse_args(argv)
-  print(f"devices: {jax.devices()}, jax {jax.__version__}", flush=True)
+  fields = {}
+  if args.heads:
+    fields.update(num_q_heads=args.heads[0], num_kv_heads=args.heads[1])
+  if args.lte:
+    fields.update(lte_window_keys=args.lte[0], lte_kept=args.lte[1])
+  args.geometry = Geometry(**fields)
+  if min(dataclasses.astuple(args.geometry)) <= 0 or (
+      args.geometry.num_q_heads % args.geometry.num_kv_heads):
+    parser.error(f"--heads/--lte: positive numbers, KV heads dividing query heads; got"
+                 f" {args.geometry}")
+  print(f"devices: {jax.devices()}, jax {jax.__version__}, {args.geometry}", flush=True)
   results = {}
   shapes = SHAPES[:1] if args.quick or args.sweep else SHAPES
   if args.lengths:
@@ -376,11 +422,13 @@ def main(argv=None) -> int:
   if args.json:  # now, so that the timings survive a time limit hit by the checks below
     write_json(args.json, results, argv)
   lines = []
-  for check in () if args.no_checks else (parity_checks, tiny_model_check):
+  checks = (("parity_checks", functools.partial(parity_checks, args.geometry)),
+            ("tiny_model_check", tiny_model_check))
+  for check_name, check in () if args.no_checks else checks:
     try:
       lines += check()
     except Exception as error:  # pylint: disable=broad-except
-      lines.append(f"{check.__name__} FAILED: {str(error)[:2000]}")
+      lines.append(f"{check_name} FAILED: {str(error)[:2000]}")
       print(lines[-1], flush=True)
   print("\n| shape | kernel | mode | ms | vs anchor |\n| --- | --- | --- | --- | --- |")
   for key, (ms, anchor, *_) in results.items():

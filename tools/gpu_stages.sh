@@ -37,6 +37,9 @@
 #              buffers (~6 min a round; --budget 560 keeps the first)
 #   batches    the training step at the per-device batches bench_train picks from (the fastest
 #              that fits marked): gdn_swa and lalte at 0.4b (4, 8, 16) and 1.4b (4, 8) (~9 min)
+#   ltesweep   LTE training attention's backward blocks at a lalte-0.4b layer (16 query heads over
+#              16 KV heads, window 769, 512 kept per KV head: routers at 12.5%), B8 T4096, with
+#              the kept-list dk/dv split into query chunks among the candidates (~4 min)
 #   tma        SWA-1024 as native Triton kernels with TMA descriptors (tools/probe_tma_attention.py)
 #              against our Pallas kernels and cuDNN, forward and forward+backward (~4 min)
 #   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
@@ -68,7 +71,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -84,7 +87,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -253,6 +256,12 @@ case "$stage" in
         --json "$dest/dsfusion_nographs_$round.json"
       step 150 "${train[@]}" --scan_layers false --json "$dest/unrolled_$round.json"
     done
+    ;;
+  ltesweep)
+    # The kernels' block sizes were tuned with 4 query heads per KV head (lalte-1.4b); lalte-0.4b
+    # has one, which makes each dk/dv program 4x shorter and the kept-list kernel's grid small.
+    step 330 python3 tools/bench_attention.py --sweep --heads 16 16 --lte 769 512 --no-checks \
+      --no-fla --iters 10 --only "LTE train" "SWA-1024 defaults" --json "$dest/ltesweep.json"
     ;;
   tma)
     step 300 python3 tools/probe_tma_attention.py --json "$dest/tma.json"

@@ -32,6 +32,10 @@ class BlockSizes:
   num_stages: int = 3
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
+  # The kept-list dk/dv kernel: one program per list tile below `kept_split_from` padded queries,
+  # one per chunk of `kept_split_tiles` query tiles from there on (see kept_split).
+  kept_split_from: int = 8192
+  kept_split_tiles: int = 8
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -44,7 +48,8 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{field.name} must be positive, got {value}")
 
   def kept_split(self, padded_query_len: int) -> int:
-    """Query tiles per program of the kept-list dk/dv kernel: 8 from 8192 queries on, else 0.
+    """Query tiles per program of the kept-list dk/dv kernel: `kept_split_tiles` (8) from
+    `kept_split_from` (8192) padded queries on, else 0.
 
     0: one program per list tile, deterministic; n > 0: one program per chunk of n query tiles,
     looping over the list tiles it sees, the chunks added with float32 atomics (the sums' order
@@ -54,7 +59,7 @@ class BlockSizes:
     4.27 / 4.25, B2 T16384 5.86 / 4.37 / 4.38 (below 8192 the split is within 1%, so the
     deterministic kernel stays).
     """
-    return 8 if padded_query_len >= 8192 else 0
+    return self.kept_split_tiles if padded_query_len >= self.kept_split_from else 0
 
   @property
   def query_multiple(self) -> int:

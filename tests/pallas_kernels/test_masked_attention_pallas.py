@@ -6,6 +6,7 @@ Also checks the tile-range arithmetic and the kept-list compaction on their own.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,13 @@ TINY_BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, b
                          block_k_dkv=16)
 
 
-@pytest.fixture
-def kept_split(monkeypatch):
-  """Sets the kept-list dk/dv kernel's query tiles per program (`BlockSizes.kept_split`, 0 below
-  8192 queries), so that tiny inputs also run the split kernel that long sequences use."""
-  return lambda tiles: monkeypatch.setattr(BlockSizes, "kept_split", lambda self, length: tiles)
+def _split_blocks(blocks: BlockSizes, tiles: int) -> BlockSizes:
+  """`blocks` whose kept-list dk/dv kernel runs `tiles` query tiles per program at any length
+  (0: one program per list tile), so that tiny inputs also run the split kernel that long
+  sequences use."""
+  if not tiles:
+    return dataclasses.replace(blocks, kept_split_from=2**30)
+  return dataclasses.replace(blocks, kept_split_from=1, kept_split_tiles=tiles)
 
 
 def _inputs(seed, *, batch, query_len, key_len, num_q_heads, num_kv_heads, head_dim, dtype,
@@ -100,11 +103,12 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_interpret_matches_reference(case, kept_split):
+def test_interpret_matches_reference(case):
   dtype, overrides = CASES[case]
   overrides = dict(overrides)
-  kept_split(overrides.pop("kept_split", 0))
-  _check_against_reference(_interpret_pallas, dtype=dtype, **overrides)
+  blocks = _split_blocks(TINY_BLOCKS, overrides.pop("kept_split", 0))
+  _check_against_reference(lambda q, k, v, **kw: _interpret_pallas(q, k, v, blocks=blocks, **kw),
+                           dtype=dtype, **overrides)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -246,13 +250,13 @@ GPU_FORWARD_BLOCKS = (
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
-def test_gpu_matches_reference(case, kept_split):
+def test_gpu_matches_reference(case):
   dtype, overrides = GPU_CASES[case]
   overrides = dict(overrides)
   if "kept_split" in overrides:
-    # The unjitted version: the jitted entry's cache would answer for the same shapes above.
-    kept_split(overrides.pop("kept_split"))
-    fn = attention_pallas.masked_attention
+    blocks = _split_blocks(BlockSizes(), overrides.pop("kept_split"))
+    fn = lambda q, k, v, **kw: attention_pallas.masked_attention(q, k, v, block_sizes=blocks,
+                                                                 **kw)
   else:
     fn = lambda q, k, v, **kw: masked_attention(q, k, v, implementation="pallas", **kw)
   _check_against_reference(fn, dtype=dtype, **overrides)
@@ -284,6 +288,7 @@ def test_gpu_default_implementation_matches_reference(window_size, num_sinks):
 def test_kept_split_uses_atomics_only_at_long_queries():
   assert BlockSizes().kept_split(4096) == 0
   assert BlockSizes().kept_split(8192) == 8
+  assert BlockSizes(kept_split_from=1, kept_split_tiles=2).kept_split(64) == 2
   for bad in (dict(block_q=48), dict(num_warps=0), dict(num_stages=1.5)):
     with pytest.raises(ValueError, match=next(iter(bad))):
       BlockSizes(**bad)

@@ -23,3 +23,12 @@ def test_only_selects_by_substring_or_exact_name():
   prefill = "ours LTE prefill (769 + 256 kept)"
   assert [n for n in names if bench.selected(n, ["=" + prefill])] == [prefill]
   assert len([n for n in names if bench.selected(n, ["LTE prefill"])]) > 1
+
+
+def test_geometry_names_the_lte_variants_by_window_and_kept_count():
+  bench = load_tool("bench_attention")
+  default, small = bench.Geometry(), bench.Geometry(16, 16, 769, 512)
+  assert default.lte_train == "ours LTE train (769 + 4 sinks + 256 kept)"
+  assert small.lte_train in bench.jax_variants(geometry=small)
+  assert "ours LTE prefill (769 + 512 kept)" in bench.jax_variants(geometry=small)
+  assert any(blocks.kept_split(4096) for blocks in bench.SWEEP_BACKWARD)
