@@ -67,10 +67,12 @@ SWEEP_BACKWARD = (
     BlockSizes(block_q_dq=128, block_k_dq=32, block_q_dkv=32, block_k_dkv=128, num_warps_bwd=8),
     BlockSizes(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages_bwd=3),
     # The kept-list dk/dv kernel split into query chunks (float32 atomics) below 8192 queries:
-    # more, shorter programs where one per list tile leaves the GPU part idle (few KV heads).
+    # more, shorter programs. One program per list tile walks every later query tile; with one
+    # query head per KV head (lalte-0.4b) the oldest tile's ~50 steps in a row may bound the call.
     BlockSizes(kept_split_from=1, kept_split_tiles=8),
     BlockSizes(kept_split_from=1, kept_split_tiles=4),
     BlockSizes(kept_split_from=1, kept_split_tiles=2),
+    BlockSizes(kept_split_from=1, kept_split_tiles=1),
 )
 SWA_WINDOW, LTE_SINKS = 1024, 4
 
