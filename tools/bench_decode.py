@@ -54,7 +54,7 @@ from lalte_jax.inference.param_dtype import (PARAM_DTYPE_HELP, PARAM_DTYPES,
 from lalte_jax.model import HybridLM
 
 import step_profile  # tools/step_profile.py
-from bench_train import is_out_of_memory  # tools/bench_train.py
+from lalte_jax.train.metrics import is_out_of_memory
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn_attn-1.4b")
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)

@@ -75,7 +75,7 @@ from lalte_jax.model import count_parameters
 from pallas_kernels.benchmarking import Timed, median_ms, paired_ms, run_for_seconds
 
 from bench_decode import build_model  # tools/bench_decode.py
-from bench_train import is_out_of_memory  # tools/bench_train.py
+from lalte_jax.train.metrics import is_out_of_memory
 from fla_models import fla_model, has_fla_model, load_fla  # tools/fla_models.py
 
 DEFAULT_PRESETS = ("lalte-1.4b", "gdn_swa-1.4b", "gdn-1.4b")

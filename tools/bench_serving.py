@@ -99,7 +99,7 @@ from pallas_kernels.benchmarking import median_ms
 from bench_decode import build_model  # tools/bench_decode.py
 from bench_decode_attention import copy_case  # tools/bench_decode_attention.py
 from bench_prefill import fla_prefill, random_prompts  # tools/bench_prefill.py
-from bench_train import is_out_of_memory  # tools/bench_train.py
+from lalte_jax.train.metrics import is_out_of_memory
 import step_profile  # tools/step_profile.py
 from fla_models import fla_model, has_fla_model, load_fla  # tools/fla_models.py
 

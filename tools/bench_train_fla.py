@@ -30,9 +30,12 @@ after the other (each takes the whole GPU):
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b \\
       --batch 4 --ours ours.json --json fla.json
 
-Prints one JSON line per row, then a markdown table; `--json` rewrites the rows after each one.
-Out of memory gives the row status "oom" and the run goes on; any other failure gives status
-"error" (the traceback on stderr), the run goes on and exits with status 1.
+Each (preset, mode) row runs in a child process of this tool (one after the other, each with the
+whole GPU), so a crash of one mode (`torch.compile` died with a segmentation fault once on an
+H200) leaves the others: its row gets the status "crashed". Prints one JSON line per row, then a
+markdown table; `--json` rewrites the rows after each one. Out of memory gives the row status
+"oom" and the run goes on; any other failure gives status "error" (the traceback on stderr), the
+run goes on and exits with status 1 (as after a crash).
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -55,9 +61,9 @@ import numpy as np
 
 from lalte_jax.config import get_model_config
 from lalte_jax.train.config import TrainConfig
-from lalte_jax.train.metrics import flops_per_token, peak_flops_per_device
+from lalte_jax.train.metrics import flops_per_token, is_out_of_memory, peak_flops_per_device
 
-from bench_train import is_out_of_memory, table_cell  # tools/bench_train.py
+from bench_train import table_cell  # tools/bench_train.py
 from fla_models import fla_model, has_fla_model, lift_hopper_guard, load_fla  # tools/fla_models.py
 
 DEFAULT_PRESETS = ("gdn-0.4b", "gdn_swa-0.4b")
@@ -86,6 +92,7 @@ def parse_args(argv: list[str] | None,
                       help="peak TFLOP/s of the device for MFU (0 = look up the device name)")
   parser.add_argument("--ours", default="", help="tools/bench_train.py --json rows to compare")
   parser.add_argument("--json", default="", help="also write the rows (a JSON list) here")
+  parser.add_argument("--child_row", default="", help=argparse.SUPPRESS)  # see child_row
   args = parser.parse_args(argv)
   for name in ("seq_len", "batch", "steps", "warmup"):
     if getattr(args, name) <= 0:
@@ -186,6 +193,39 @@ def compare_with_ours(rows: list[dict], ours: list[dict]) -> list[dict]:
   return comparisons
 
 
+def measure_row(torch, preset: str, mode: str, args: argparse.Namespace) -> dict:
+  """One row: train_mode's fields with status "ok", or the failure's status and first line."""
+  row = {"preset": preset, "mode": mode, "seq_len": args.seq_len, "batch": args.batch,
+         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+         "hopper_guard_lifted": True}
+  try:
+    row.update(status="ok", **train_mode(torch, preset, mode, args))
+  except Exception as error:  # pylint: disable=broad-except  # the run goes on
+    row["status"] = "oom" if is_out_of_memory(error) else "error"
+    row["error"] = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+    if row["status"] == "error":
+      traceback.print_exc()
+  return row
+
+
+def child_row(preset: str, mode: str, args: argparse.Namespace) -> dict:
+  """The row of (preset, mode) measured by a child process of this tool (`--child_row PATH`:
+  it writes its row there), or a "crashed" row saying how the child ended without one."""
+  with tempfile.TemporaryDirectory() as directory:
+    path = pathlib.Path(directory) / "row.json"
+    command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--presets", preset,
+               "--modes", mode, "--seq_len", str(args.seq_len), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--peak_tflops", str(args.peak_tflops), "--child_row", str(path)]
+    done = subprocess.run(command, check=False)
+    if path.is_file():
+      return json.loads(path.read_text(encoding="utf-8"))
+  code = done.returncode
+  how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+  return {"preset": preset, "mode": mode, "seq_len": args.seq_len, "batch": args.batch,
+          "status": "crashed", "error": f"its child process ended with {how} before its row"}
+
+
 def markdown_table(rows: list[dict], comparisons: list[dict]) -> str:
   lines = ["| preset | FLA mode | status | parameters | T | batch | first step s | step s |"
            " tokens/s | MFU | peak GiB |", "|" + "---|" * 11]
@@ -220,31 +260,24 @@ def main(argv: list[str] | None = None) -> int:
   presets = [preset for preset in args.presets if has_fla_model(preset)]
   for preset in sorted(set(args.presets) - set(presets)):
     print(f"{preset}: FLA has no model of this variant, skipped", file=sys.stderr)
-  torch = load_fla(parser)
-  lift_hopper_guard()
+  torch = load_fla(parser)  # here too: a machine without FLA or a GPU is told before any child
+  if args.child_row:  # one row, for the parent's child_row
+    lift_hopper_guard()
+    row = measure_row(torch, presets[0], args.modes[0], args)
+    write(args.child_row, row)
+    return 1 if row["status"] == "error" else 0
   rows = []
   report = {"command": "python3 tools/bench_train_fla.py " + " ".join(
       sys.argv[1:] if argv is None else argv), "rows": rows, "comparisons": []}
   for preset in presets:
     for mode in args.modes:
-      row = {"preset": preset, "mode": mode, "seq_len": args.seq_len, "batch": args.batch,
-             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "hopper_guard_lifted": True}
-      try:
-        row.update(status="ok", **train_mode(torch, preset, mode, args))
-      except Exception as error:  # pylint: disable=broad-except  # the run goes on
-        row["status"] = "oom" if is_out_of_memory(error) else "error"
-        row["error"] = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
-        if row["status"] == "error":
-          traceback.print_exc()
-      torch.cuda.empty_cache()
-      rows.append(row)
-      print(json.dumps(row), flush=True)
+      rows.append(child_row(preset, mode, args))
+      print(json.dumps(rows[-1]), flush=True)
       write(args.json, report)
   report["comparisons"] = compare_with_ours(rows, args.ours_rows)
   write(args.json, report)
   print(markdown_table(rows, report["comparisons"]))
-  return 1 if any(row["status"] == "error" for row in rows) else 0
+  return 1 if any(row["status"] in ("error", "crashed") for row in rows) else 0
 
 
 if __name__ == "__main__":

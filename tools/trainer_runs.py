@@ -27,7 +27,7 @@ for _path in (str(REPO), str(_TOOLS)):
 from lalte_jax import xla_flags
 from lalte_jax.train import distributed
 
-from bench_train import is_out_of_memory  # tools/bench_train.py
+from lalte_jax.train.metrics import is_out_of_memory
 
 LOG_TAIL_CHARS = 2000
 

@@ -77,3 +77,29 @@ def test_without_fla_it_says_what_is_missing(bench, capsys):
   error = capsys.readouterr().err
   assert "lalte-tiny: FLA has no model of this variant, skipped" in error
   assert f"not importable here: {', '.join(missing)}" in error
+
+
+def test_each_row_comes_from_a_child_and_a_crash_becomes_a_row(bench, monkeypatch):
+  args = bench.parse_args(["--presets", "gdn-0.4b", "--batch", "2", "--steps", "3"])
+  commands = []
+
+  def child_writes_its_row(command, check):
+    commands.append(command)
+    path = command[command.index("--child_row") + 1]
+    bench.write(path, row("gdn-0.4b", command[command.index("--modes") + 1], 50_000.0))
+    return bench.subprocess.CompletedProcess(command, 0)
+
+  monkeypatch.setattr(bench.subprocess, "run", child_writes_its_row)
+  assert bench.child_row("gdn-0.4b", "eager", args)["tokens_per_s"] == 50_000.0
+  (command,) = commands
+  assert command[1].endswith("bench_train_fla.py")
+  assert command[2:] == ["--presets", "gdn-0.4b", "--modes", "eager", "--seq_len", "4096",
+                         "--batch", "2", "--steps", "3", "--warmup", "2", "--peak_tflops", "0.0",
+                         "--child_row", command[-1]]
+
+  monkeypatch.setattr(bench.subprocess, "run",
+                      lambda command, check: bench.subprocess.CompletedProcess(command, -11))
+  crashed = bench.child_row("gdn-0.4b", "compile", args)
+  assert crashed["status"] == "crashed" and crashed["mode"] == "compile"
+  assert crashed["error"] == "its child process ended with signal SIGSEGV before its row"
+  assert "| gdn-0.4b | compile | crashed |" in bench.markdown_table([crashed], [])
