@@ -107,14 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(config, checkpoints=checkpoints)
     try:
       summary = trainer.run()
-    except TooManySkippedSteps as error:
+    except (TooManySkippedSteps, StepOutOfMemory) as error:
       trainer.logger.close()
       print(f"error: {error}", file=sys.stderr)
-      return 3
-    except StepOutOfMemory as error:
-      trainer.logger.close()
-      print(f"error: {error}", file=sys.stderr)
-      return 5
+      return 3 if isinstance(error, TooManySkippedSteps) else 5
   finally:
     if checkpoints is not None:
       checkpoints.close()  # waits for saves still being written

@@ -92,7 +92,6 @@ def with_labels(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   return {"tokens": tokens, "labels": labels}
 
 
-
 class StepOutOfMemory(RuntimeError):
   """The training step needs more device memory than there is (at compile or at run time)."""
 
@@ -111,6 +110,7 @@ def out_of_memory_advice(config: TrainConfig, batch_devices: int, error: BaseExc
           f" {batch_devices} data x fsdp devices) with remat={config.remat!r}. Fewer sequences"
           f" per micro-batch: a larger grad_accum_steps (it divides global_batch_size){remat};"
           f" or more devices on the fsdp axis. XLA: {str(error).strip().splitlines()[0][:300]}")
+
 
 class Trainer:
 
