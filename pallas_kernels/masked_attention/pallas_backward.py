@@ -5,7 +5,8 @@ Window kernel: one program per (key tile, batch, KV head); for each of the KV he
 unmasked interior, masked edge), so the G heads' contributions add up in registers.
 Kept-list kernel: one program per (list tile, batch, KV head); it loops over every query tile late
 enough for the tile's oldest entry to be outside its window, counting a (query, entry) pair only
-when the entry is outside that query's window (the complement of the window kernel's pairs).
+when the entry is outside that query's window (the complement of the window kernel's pairs): a
+mask on the query tiles until the newest entry is outside every window, none after.
 The list's dk/dv reach k/v through the gradient of the XLA gather that built the list.
 """
 
@@ -75,18 +76,24 @@ def _dkdv_window_kernel(*refs, problem: Problem, block_q: int, block_k: int):
 
 def _kept_tile_dkdv(problem, block_q, refs, entry_slice, first, end):
   """(dk, dv) of the list entries in entry_slice from query tiles [first, end), all G heads;
-  query tiles earlier than the oldest entry's leaving its window are skipped."""
+  query tiles earlier than the oldest entry's leaving its window are skipped, and those whose
+  first row is past every entry's window run without a mask."""
   q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, pos_ref = refs
   k, v, entry_pos = k_ref[entry_slice, :], v_ref[entry_slice, :], pos_ref[entry_slice]
   # Sorted list: the first entry is the oldest, so it is the first to leave the windows. Padding
   # entries have a huge position, which gives an empty loop.
   first_row = jnp.maximum(jnp.min(entry_pos) + problem.window_size - problem.query_offset, 0)
   first = jnp.maximum(first, jnp.minimum(first_row // block_q, end))
+  # The row from which every entry of the tile is outside the window: a tile with padding entries
+  # (PAD_POSITION + window stays below int32's limit) never gets there and stays masked.
+  all_row = jnp.maximum(jnp.max(entry_pos) + problem.window_size - problem.query_offset, 0)
+  interior = jnp.clip(cdiv(all_row, block_q), first, end)
   mask_fn = lambda query_pos: kept_mask(problem, query_pos, entry_pos)
   def one_head(head, carry):
     step = functools.partial(_accumulate, problem, block_q, k, v, q_ref, do_ref, lse_ref,
                              delta_ref, head)
-    return lax.fori_loop(first, end, lambda t, c: step(c, t, mask_fn), carry)
+    carry = lax.fori_loop(first, interior, lambda t, c: step(c, t, mask_fn), carry)
+    return lax.fori_loop(interior, end, lambda t, c: step(c, t, None), carry)
 
   dk, dv = _over_heads(problem, one_head, k.shape, v.shape)
   return dk * problem.scale, dv

@@ -93,6 +93,10 @@ CASES = {
     "lte_split_three_query_tiles_per_program": (jnp.float32, dict(
         query_len=77, key_len=77, window_size=20, num_sinks=1, kept_fraction=0.4,
         kept_split=3)),
+    # Full list tiles whose newest entry leaves the window long before the last query tile: the
+    # dk/dv kernels' query tiles past it run without a mask.
+    "lte_list_tiles_past_every_window": (jnp.float32, dict(
+        query_len=200, key_len=200, window_size=20, num_sinks=1, kept_fraction=0.4)),
     "causal": (jnp.float32, dict(window_size=None, use_kept=False)),
     "prefill_padded_t_lt_s": (jnp.float32, dict(batch=2, query_len=30, key_len=77,
                                                 window_size=20, num_sinks=2, padded=True)),
