@@ -3,7 +3,8 @@
 One program per (query tile, batch, query head). It visits the key tiles that intersect the
 tile's window (three loops: masked edge, unmasked interior, masked edge) and then the first
 entries of its KV head's kept list (sinks + LTE's kept keys, sorted by position) that are outside
-the window of some query of the tile; an entry counts for a query only when it is outside that
+the window of some query of the tile (two loops: unmasked, the list tiles outside every query's
+window; masked, the last one or two); an entry counts for a query only when it is outside that
 query's window, so nothing is counted twice. Scores live in the log2 domain (exp2 is what the GPU
 computes natively); the saved logsumexp is log2-based too.
 
@@ -63,10 +64,10 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
   if kept_refs is not None:
     counts_ref, kept_k_ref, kept_v_ref, kept_pos_ref = kept_refs
 
-    def kept_tile(ct, carry):
+    def kept_tile(masked, ct, carry):
       c_slice = pl.ds(ct * block_k, block_k)
       entry_pos = kept_pos_ref[c_slice]
-      mask = kept_mask(problem, query_pos, entry_pos)
+      mask = kept_mask(problem, query_pos, entry_pos) if masked else None
       if kept_k_ref is None:
         # Gather load from the whole K/V block. Padding entries (PAD_POSITION) read the last row
         # instead, a finite value that their mask hides.
@@ -74,7 +75,15 @@ def _visit_tiles(problem, q_start, block_q, block_k, k_ref, v_ref, key_valid_ref
         return visit(carry, k_ref[rows, :], v_ref[rows, :], mask)
       return visit(carry, kept_k_ref[c_slice, :], kept_v_ref[c_slice, :], mask)
 
-    carry = lax.fori_loop(0, cdiv(counts_ref[0], block_k), kept_tile, carry)
+    # The count is of the entries outside the window of the tile's last query. Those that some
+    # earlier query of the tile still has in its window sit at the block_q - 1 positions before,
+    # so they are at most the count's last block_q - 1 entries (distinct, sorted positions): the
+    # list tiles before them are visible to every query of the tile and need no mask.
+    count = counts_ref[0]
+    full_tiles = jnp.maximum(count - (block_q - 1), 0) // block_k
+    carry = lax.fori_loop(0, full_tiles, functools.partial(kept_tile, False), carry)
+    carry = lax.fori_loop(full_tiles, cdiv(count, block_k), functools.partial(kept_tile, True),
+                          carry)
   return carry
 
 

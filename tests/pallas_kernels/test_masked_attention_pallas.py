@@ -115,13 +115,16 @@ def test_interpret_matches_reference(case):
                            dtype=dtype, **overrides)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_inference_forward_matches_reference(padded):
+@pytest.mark.parametrize("padded,query_len,key_len,kept_fraction", [
+    (False, 30, 45, 0.2), (True, 30, 45, 0.2),
+    # List tiles outside every query's window: the unmasked loop over the kept list.
+    (True, 150, 200, 0.5)])
+def test_inference_forward_matches_reference(padded, query_len, key_len, kept_fraction):
   """Not differentiated: the forward without logsumexp (prefill) that reads kept keys by
   position."""
   q, k, v, _, kept, key_valid = _inputs(
-      4, batch=2, query_len=30, key_len=45, num_q_heads=4, num_kv_heads=1, head_dim=16,
-      dtype=jnp.float32, padded=padded)
+      4, batch=2, query_len=query_len, key_len=key_len, num_q_heads=4, num_kv_heads=1,
+      head_dim=16, dtype=jnp.float32, padded=padded, kept_fraction=kept_fraction)
   kwargs = dict(window_size=9, kept_BSK=kept, key_valid_BS=key_valid)
   actual = _interpret_pallas(q, k, v, **kwargs)
   assert_close(actual, reference.masked_attention(q, k, v, **kwargs), jnp.float32)
