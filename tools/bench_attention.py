@@ -66,6 +66,14 @@ SWEEP_BACKWARD = (
     BlockSizes(block_q_dq=64, block_k_dq=32, block_q_dkv=32, block_k_dkv=64, num_stages_bwd=3),
     BlockSizes(block_q_dq=128, block_k_dq=32, block_q_dkv=32, block_k_dkv=128, num_warps_bwd=8),
     BlockSizes(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_stages_bwd=3),
+    # Deeper pipelines: with one query head per KV head (the 0.4b presets) each dk/dv program's
+    # loop is 4x shorter than at four, and three stages measured 7% faster on LTE training there.
+    BlockSizes(num_stages_bwd=4),
+    BlockSizes(num_stages_bwd=3, num_warps_bwd=8),
+    BlockSizes(block_q_dkv=32, num_stages_bwd=3),
+    BlockSizes(block_k_dq=32, num_stages_bwd=3),
+    BlockSizes(block_q_dkv=32, num_stages_bwd=4),
+    BlockSizes(block_k_dkv=128, num_warps_bwd=8, num_stages_bwd=3),
     # The kept-list dk/dv kernel split into query chunks (float32 atomics) below 8192 queries:
     # more, shorter programs. One program per list tile walks every later query tile; with one
     # query head per KV head (lalte-0.4b) the oldest tile's ~50 steps in a row may bound the call.
