@@ -40,6 +40,8 @@
 #   ltesweep   LTE training attention's backward blocks at a lalte-0.4b layer (16 query heads over
 #              16 KV heads, window 769, 512 kept per KV head: routers at 12.5%), B8 T4096, with
 #              the kept-list dk/dv split into query chunks among the candidates (~4 min)
+#   shortconv  GDN's short convolution: its GPU parity tests and the kernels against XLA by GPU kernel
+#              time, with the launch candidates (tools/bench_short_conv.py --sweep; ~2 min)
 #   ab         this tree's training step against another's in alternation (AB_BASE: a directory
 #              holding that tree's lalte_jax, pallas_kernels and tools, e.g. from `git archive`;
 #              relative paths from the repository root):
@@ -75,7 +77,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -91,7 +93,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -266,6 +268,10 @@ case "$stage" in
     # has one, which makes each dk/dv program 4x shorter and the kept-list kernel's grid small.
     step 330 python3 tools/bench_attention.py --sweep --heads 16 16 --lte 769 512 --no-checks \
       --no-fla --iters 10 --only "LTE train" "SWA-1024 defaults" --json "$dest/ltesweep.json"
+    ;;
+  shortconv)
+    step 100 python3 -m pytest -q -m gpu tests/pallas_kernels/test_short_conv.py -p no:cacheprovider
+    step 200 python3 tools/bench_short_conv.py --sweep --json "$dest/short_conv.json"
     ;;
   ab)
     [ -d "${AB_BASE:-}" ] || { echo "ab: set AB_BASE to the other tree's directory" >&2; exit 2; }

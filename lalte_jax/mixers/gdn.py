@@ -60,9 +60,12 @@ class GatedDeltaNet(nnx.Module):
     self.g_proj = input_projection(config, hidden, value_dim, rngs)
     self.a_proj = input_projection(config, hidden, gdn.num_heads, rngs)
     self.b_proj = input_projection(config, hidden, gdn.num_heads, rngs)
-    self.q_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs)
-    self.k_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs)
-    self.v_conv = ShortConv(value_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs)
+    self.q_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs,
+                            implementation=gdn.implementation)
+    self.k_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs,
+                            implementation=gdn.implementation)
+    self.v_conv = ShortConv(value_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs,
+                            implementation=gdn.implementation)
     self.A_log = nnx.Param(init_a_log(rngs.params(), gdn.num_heads))
     self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), gdn.num_heads))
     # One RMSNorm weight over d_v, shared by all heads.

@@ -11,7 +11,7 @@ from flax import nnx
 from lalte_jax.config import get_model_config
 from lalte_jax.layers.norms import RMSNorm
 from lalte_jax.layers.rope import apply_rope, default_positions, derope
-from lalte_jax.layers.short_conv import causal_depthwise_conv
+from pallas_kernels.short_conv.reference import causal_depthwise_conv
 from lalte_jax.mixers.gdn import GatedDeltaNet
 from lalte_jax.model import HybridLM
 from lalte_jax.presets import intermediate_size
