@@ -36,7 +36,7 @@
 #              command buffers) and unrolled: the copies into and out of the scan's per-layer
 #              buffers (~6 min a round; --budget 560 keeps the first)
 #   batches    the training step at the per-device batches bench_train picks from (the fastest
-#              that fits marked): gdn_swa and lalte at 0.4b (4, 8, 16) and 1.4b (4, 8) (~9 min)
+#              that fits marked): gdn_swa and lalte at 0.4b (8, 12, 16) and 1.4b (4, 8) (~9 min)
 #   ltesweep   LTE training attention's backward blocks at a lalte-0.4b layer (16 query heads over
 #              16 KV heads, window 769, 512 kept per KV head: routers at 12.5%), B8 T4096, with
 #              the kept-list dk/dv split into query chunks among the candidates (~4 min)
@@ -240,7 +240,7 @@ case "$stage" in
   batches)
     # MFU and laLTE's ratio are quoted at each preset's fastest batch that fits; each batch is a
     # child process, and a preset stops at its first batch that runs out of memory.
-    step 330 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 4 8 16 \
+    step 330 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 8 12 16 \
       --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_0_4b.json"
     step 220 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 4 8 \
       --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
