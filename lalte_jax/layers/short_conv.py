@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 
 from lalte_jax.layers import initializers
+from lalte_jax.sharding import per_batch_shard
 from pallas_kernels.short_conv import short_conv_silu
 
 
@@ -31,4 +32,12 @@ class ShortConv(nnx.Module):
     implementation = None
     if self.implementation == "xla" or (self.implementation == "pallas" and state_BKC is None):
       implementation = self.implementation
-    return short_conv_silu(x_BTC, self.weight[...], state_BKC, implementation=implementation)
+
+    def conv(x_BTC, *state_and_weight, row_offset):
+      del row_offset  # each row's convolution is its own
+      *state, weight_CK = state_and_weight
+      return short_conv_silu(x_BTC, weight_CK, *state, implementation=implementation)
+
+    # Under a mesh the kernels run per batch shard: XLA cannot split a Pallas call.
+    batched = (x_BTC,) if state_BKC is None else (x_BTC, state_BKC)
+    return per_batch_shard(conv, batched, (self.weight[...],), batch_axis=0)

@@ -54,14 +54,35 @@ def compare(cases: dict[str, str | None], mesh_shape: tuple[int, int, int]) -> d
     sharded_tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
     sharded_params = jax.device_put(params, NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
-      jaxpr = str(jax.make_jaxpr(loss_and_grad)(sharded_params, sharded_tokens))
+      closed = jax.make_jaxpr(loss_and_grad)(sharded_params, sharded_tokens)
+      jaxpr = str(closed)
       mesh_loss, mesh_grad = jax.jit(loss_and_grad)(sharded_params, sharded_tokens)
     grad_err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(plain_grad), jax.tree.leaves(mesh_grad)))
     results[name] = {"loss_err": abs(float(plain_loss) - float(mesh_loss)),
                      "grad_err": grad_err, "shard_maps": jaxpr.count("shard_map["),
-                     "pallas_calls": jaxpr.count("pallas_call[")}
+                     "pallas_calls": jaxpr.count("pallas_call["),
+                     "pallas_calls_outside_shard_maps": pallas_calls_outside_shard_maps(closed.jaxpr)}
   return results
+
+
+def pallas_calls_outside_shard_maps(jaxpr, inside: bool = False) -> int:
+  """Pallas calls of a jaxpr (its sub-jaxprs included) not nested in a shard_map: XLA would run
+  each on the whole batch on every device."""
+  from jax.extend import core  # pylint: disable=import-outside-toplevel
+  count = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "pallas_call":
+      count += not inside
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, core.Jaxpr):
+          count += pallas_calls_outside_shard_maps(sub, inside or name == "shard_map")
+  return count
 
 
 def check(results: dict, tolerance: float) -> None:
@@ -69,6 +90,7 @@ def check(results: dict, tolerance: float) -> None:
     # forward + backward of the scanned block's two mixers (GDN and the attention-like one)
     assert got["shard_maps"] >= 2, (name, got)
     assert got["loss_err"] < tolerance and got["grad_err"] < tolerance, (name, got)
+    assert got["pallas_calls_outside_shard_maps"] == 0, (name, got)
 
 
 @pytest.mark.slow
