@@ -4,7 +4,7 @@ same run.
 
     python tools/bench_short_conv.py                     # the 0.4b and 1.4b GDN shapes, B8 T4096
     python tools/bench_short_conv.py --sweep             # also the Pallas launch candidates
-    python tools/bench_short_conv.py --batch 1 --seq_len 64 --channels 64 --copy_mib 16 --passes 1  # CPU
+    python tools/bench_short_conv.py --batch 1 --seq_len 64 --channels 64 --copy_mib 16 --passes 1
 
 Per shape (channels C of the q/k and the v convolution of each size's GDN layers; bf16), modes
 "fwd" (the convolution and SiLU) and "bwd" (the gradient of sum(y * dy) with respect to x and the
@@ -40,15 +40,15 @@ SHAPES = (("0.4b q/k", 1024), ("0.4b v", 2048), ("1.4b q/k", 2048), ("1.4b v", 4
 TAPS = 4
 SWEEP = (
     ShortConvBlocks(),
-    ShortConvBlocks(block_t_dw=8, dw_steps=32),
+    ShortConvBlocks(block_t_dw=16, dw_steps=16),
     ShortConvBlocks(block_t_dw=32, dw_steps=8),
     ShortConvBlocks(block_c_dw=32),
     ShortConvBlocks(block_c_dw=128, num_warps_dw=8),
-    ShortConvBlocks(dw_steps=8),
-    ShortConvBlocks(dw_steps=32),
+    ShortConvBlocks(dw_steps=16),
+    ShortConvBlocks(dw_steps=64),
     ShortConvBlocks(num_warps_dw=2),
-    ShortConvBlocks(block_t=32, block_c=64),
-    ShortConvBlocks(block_t=128, num_warps=8),
+    ShortConvBlocks(block_t=64, num_warps=4),
+    ShortConvBlocks(block_t=32, block_c=64, num_warps=4),
 )
 
 

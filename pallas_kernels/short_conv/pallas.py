@@ -15,7 +15,7 @@ Backward, two kernels:
   through tap K-1-s), dpre read at the K offsets t .. t+K-1.
 One kernel computing dx from x and dy directly (dpre recomputed at the K rows each x_t feeds:
 2K-1 reads of x and K of dy per tile) measured slower than XLA; the two kernels take about half of
-XLA's backward (module docs of `pallas_kernels.short_conv`).
+XLA's backward time (docs/benchmarks.md, section 5).
 
 Rows are read through clamped row indices and zeroed outside [0, T) instead of shifted slices, so
 that the first tile's rows before the sequence read as zeros (the conv's zero padding) on the GPU
@@ -45,15 +45,17 @@ MIN_BLOCK_C = 8
 class ShortConvBlocks:
   """Tiles (powers of two) and launch parameters of the kernels.
 
-  Defaults: the fastest of the candidates timed at B8 T4096, C 1024 and 2048, bf16, on one H200
-  (2026-11-30, GPU kernel time of the backward: `tools/bench_short_conv.py`).
+  Defaults: the fastest candidates of `tools/bench_short_conv.py --sweep` (B8 T4096, C 1024 and
+  2048, bf16, GPU kernel time, one H200, 2026-11-30): forward 59.9 / 113.6 us at 128 rows and 8
+  warps against 69.9 / 133.4 at 64 and 4; backward 152.0 / 287.9 us at 8-row steps, 32 a program,
+  against 156.5 / 300.2 at 16 and 16 (XLA: 67.2 / 132.4 and 288.8 / 561.7).
   """
-  block_t: int = 64  # forward and dx: rows per program
+  block_t: int = 128  # forward and dx: rows per program
   block_c: int = 128  # forward and dx: channels per program
-  num_warps: int = 4
-  block_t_dw: int = 16  # dpre/dw: rows per loop step
+  num_warps: int = 8
+  block_t_dw: int = 8  # dpre/dw: rows per loop step
   block_c_dw: int = 64  # dpre/dw: channels per program
-  dw_steps: int = 16  # dpre/dw: row tiles per program (the weight-gradient partials shrink by it)
+  dw_steps: int = 32  # dpre/dw: row tiles per program (the weight-gradient partials shrink by it)
   num_warps_dw: int = 4
 
   def __post_init__(self):
@@ -123,7 +125,7 @@ def _dpre_dw_kernel(x_ref, w_ref, dy_ref, dpre_ref, dw_ref, *, taps: int, block_
 
 
 def _dx_kernel(dpre_ref, w_ref, dx_ref, *, taps: int, block_t: int):
-  # dpre_ref: [Tp, block_c] (one row's column strip), w_ref: [K, block_c], dx_ref: [block_t, block_c].
+  # dpre_ref: [Tp, block_c] (one row's strip), w_ref: [K, block_c], dx_ref: [block_t, block_c].
   t0 = pl.program_id(1) * block_t
   dx_RC = jnp.zeros(dx_ref.shape, jnp.float32)
   for shift in range(taps):

@@ -62,7 +62,8 @@ def compare(cases: dict[str, str | None], mesh_shape: tuple[int, int, int]) -> d
     results[name] = {"loss_err": abs(float(plain_loss) - float(mesh_loss)),
                      "grad_err": grad_err, "shard_maps": jaxpr.count("shard_map["),
                      "pallas_calls": jaxpr.count("pallas_call["),
-                     "pallas_calls_outside_shard_maps": pallas_calls_outside_shard_maps(closed.jaxpr)}
+                     "pallas_calls_outside_shard_maps":
+                         pallas_calls_outside_shard_maps(closed.jaxpr)}
   return results
 
 
