@@ -60,12 +60,12 @@ class GatedDeltaNet(nnx.Module):
     self.g_proj = input_projection(config, hidden, value_dim, rngs)
     self.a_proj = input_projection(config, hidden, gdn.num_heads, rngs)
     self.b_proj = input_projection(config, hidden, gdn.num_heads, rngs)
-    self.q_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs,
-                            implementation=gdn.implementation)
-    self.k_conv = ShortConv(key_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs,
-                            implementation=gdn.implementation)
-    self.v_conv = ShortConv(value_dim, gdn.conv_size, init_std=config.init_std, rngs=rngs,
-                            implementation=gdn.implementation)
+    short_conv = functools.partial(ShortConv, kernel_size=gdn.conv_size,
+                                   init_std=config.init_std, rngs=rngs,
+                                   implementation=gdn.implementation)
+    self.q_conv = short_conv(key_dim)
+    self.k_conv = short_conv(key_dim)
+    self.v_conv = short_conv(value_dim)
     self.A_log = nnx.Param(init_a_log(rngs.params(), gdn.num_heads))
     self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), gdn.num_heads))
     # One RMSNorm weight over d_v, shared by all heads.

@@ -189,7 +189,8 @@ def _backward(x_BTC, weight_CK, dy_BTC, blocks: ShortConvBlocks):
       interpret=interpret_mode(),
       name="short_conv_dpre_dw",
   )(_pad_rows(x_BTC, padded), weight_KC, _pad_rows(dy_BTC.astype(x_BTC.dtype), padded))
-  dx_BTC = _shifted_sum("short_conv_dx", _dx_kernel, dpre_BTC[:, :length], weight_KC, blocks)
+  # The padded rows' dpre are zeros (dy is zero there), so the padded dpre goes in as it is.
+  dx_BTC = _shifted_sum("short_conv_dx", _dx_kernel, dpre_BTC, weight_KC, blocks)[:, :length]
   dw_CK = jnp.sum(dw_partial_BNKC, axis=(0, 1)).T.astype(weight_CK.dtype)
   return dx_BTC, dw_CK
 
