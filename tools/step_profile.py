@@ -23,6 +23,10 @@ custom_call_target, op_name metadata), first rule that applies:
 - `other`: custom calls of other targets and kernels without an HLO instruction;
   `other programs`: kernels of another compiled program that ran during the trace.
 
+Per step also the time under each word of the kernels' jax name stacks (`scopes_ms`: named
+scopes such as `lte_router`, jitted functions such as `masked_attention`, primitives), the
+largest first: where in the model the time goes, across classes.
+
 Per step: the wall time, the GPU busy time (the union of the kernels' intervals), the idle time
 (wall - busy: host dispatch and launch gaps), the GPU span (first kernel start to last kernel
 end), the exposed collective time (busy time in which only collectives ran: what overlapping them
@@ -65,6 +69,11 @@ TOP_KERNELS = 20  # per class in the JSON result; the markdown table shows the f
 TABLE_KERNELS = 5
 OP_NAME_CHARS = 160  # of a top kernel's jax name stack, kept in the JSON result
 UNMAPPED_SAMPLE = 10  # kernels without an instruction, listed in the result to show why
+SCOPE_TOTALS = 40  # names of the jax name stack with the most GPU time, in the JSON result
+# Name-stack words that every kernel of a step carries: no information about where time goes.
+_STACK_WORDS = frozenset({"jit", "jvp", "transpose", "while", "body", "cond", "eval_jaxpr",
+                          "train_step", "pjit", "checkpoint", "remat", "custom_jvp_call",
+                          "custom_vjp_call", "shard_map"})
 GPU_SOURCE, CPU_SOURCE = "GPU kernels", "CPU thunks"
 
 
@@ -209,6 +218,7 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
   steps_of_module = any(e.hlo_module == hlo.name for e in events)
   classes: dict[str, dict[str, list[float]]] = {}  # class -> kernel -> [launches, ns]
   counted, mapped_ns, unmapped, op_names = [], 0.0, {}, {}
+  scope_ns: dict[str, float] = {}  # name-stack word -> GPU time of the kernels under it
   not_collective = []  # the kernels that a collective can overlap with
   for event in events:
     op = _instruction(hlo, event)
@@ -227,6 +237,9 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
     kernel[1] += event.duration_ns
     if op is not None and op.op_name:
       op_names.setdefault(event.name, op.op_name[:OP_NAME_CHARS])
+    if op is not None and name != "other programs":
+      for word in set(re.findall(r"[A-Za-z_]\w*", op.op_name)) - _STACK_WORDS:
+        scope_ns[word] = scope_ns.get(word, 0.0) + event.duration_ns
     counted.append(event)
     if name != "collective":
       not_collective.append(event)
@@ -251,7 +264,11 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
           "busy_ms": busy_ms, "idle_ms": wall_ms - busy_ms, "span_ms": per_step_ms(span_ns),
           "collective_exposed_ms": per_step_ms(busy_ns - _union_ns(not_collective)),
           "kernel_ms": per_step_ms(kernel_ns), "mapped_share": mapped_ns / kernel_ns,
-          "unmapped_sample": list(unmapped.values()), "classes": rows}
+          "unmapped_sample": list(unmapped.values()), "classes": rows,
+          # Where in the model the time goes: each word of the jax name stacks (named scopes,
+          # jitted functions, primitives), the time of every kernel whose stack holds it.
+          "scopes_ms": {word: per_step_ms(ns) for word, ns in sorted(
+              scope_ns.items(), key=lambda item: item[1], reverse=True)[:SCOPE_TOTALS]}}
 
 
 def _profiler_options():

@@ -185,6 +185,9 @@ def test_breakdown_per_step_times_shares_top_kernels_and_host_gaps(step_profile)
       {"kernel": "cublas_gemm_small", "ms": pytest.approx(0.005), "launches": 0.5,
        "op_name": "jit(train_step)/dot_general"}]
   assert rows["other programs"]["top"][0]["kernel"] == "convert_fusion"
+  # By name-stack word: both GEMMs are dot_generals, the Pallas call and the multiply their own.
+  assert result["scopes_ms"] == {"dot_general": pytest.approx(0.035),
+                                 "pallas_call": pytest.approx(0.02), "mul": pytest.approx(0.005)}
   table = step_profile.markdown({**result, "device": "/device:GPU:0"}, "a step")
   assert "| pallas: masked_attention_fwd | 0.020 | 29.9% | 1 | `masked_attention_fwd` 0.020 x1 |" \
       in table
