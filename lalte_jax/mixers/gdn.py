@@ -23,7 +23,7 @@ from flax import nnx
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference import chunking
 from lalte_jax.inference.caches import GDNCache, StepContext, ring_from_tail
-from lalte_jax.layers.norms import rms_normalize
+from lalte_jax.layers.norms import gated_rms_norm
 from lalte_jax.layers.short_conv import ShortConv
 from lalte_jax.mixers.projections import input_projection, output_projection
 from lalte_jax.sharding import per_shard
@@ -84,8 +84,8 @@ class GatedDeltaNet(nnx.Module):
     gdn = self.config.gdn
     batch, length = x_BTD.shape[:2]
     gate_BTHV = self.g_proj(x_BTD).reshape(batch, length, gdn.num_heads, gdn.value_dim)
-    normed = rms_normalize(o_BTHV, gdn.norm_eps) * self.o_norm_weight[...]
-    gated = (normed * jax.nn.silu(gate_BTHV.astype(jnp.float32))).astype(x_BTD.dtype)
+    gated = gated_rms_norm(o_BTHV, gate_BTHV, self.o_norm_weight[...],
+                           gdn.norm_eps).astype(x_BTD.dtype)
     return self.o_proj(gated.reshape(batch, length, -1))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from lalte_jax.config import get_model_config
-from lalte_jax.layers.norms import RMSNorm
+from lalte_jax.layers.norms import RMSNorm, gated_rms_norm, rms_norm
 from lalte_jax.layers.rope import apply_rope, default_positions, derope
 from pallas_kernels.short_conv.reference import causal_depthwise_conv
 from lalte_jax.mixers.gdn import GatedDeltaNet
@@ -59,6 +59,41 @@ def test_rms_norm():
   x32 = np.asarray(x, np.float32)
   np.testing.assert_allclose(np.asarray(y, np.float32),
                              x32 / np.sqrt((x32 ** 2).mean() + 1e-6), rtol=1e-2)
+
+
+def _plain_norm(x, weight, eps, gate=None):
+  """The norms' float32 definition, differentiated by autodiff."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight
+  return (y if gate is None else y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_backward_equals_autodiff_of_the_definition(dtype, rtol, gated):
+  """The hand-written backward of rms_norm / gated_rms_norm (which keeps only the inputs and the
+  inverse RMS) against autodiff of the float32 definition; the forward is the definition's to
+  the bit."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = (3.0 * jax.random.normal(keys[0], (2, 7, 3, 16))).astype(dtype)
+  gate = jax.random.normal(keys[1], (2, 7, 3, 16)).astype(dtype)
+  weight = 1.0 + 0.2 * jax.random.normal(keys[2], (16,))
+  dy = jax.random.normal(keys[3], x.shape).astype(dtype)
+  if gated:
+    ours, want = (lambda x, g, w: gated_rms_norm(x, g, w, 1e-6)), (
+        lambda x, g, w: _plain_norm(x, w, 1e-6, g))
+    args = (x, gate, weight)
+  else:
+    ours, want = (lambda x, w: rms_norm(x, w, 1e-6)), (lambda x, w: _plain_norm(x, w, 1e-6))
+    args = (x, weight)
+  y, vjp = jax.vjp(ours, *args)
+  y_want, vjp_want = jax.vjp(want, *args)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_want, np.float32))
+  for got, expected, arg in zip(vjp(dy), vjp_want(dy), args):
+    assert got.dtype == arg.dtype
+    scale = float(jnp.max(jnp.abs(expected.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                               rtol=0, atol=rtol * scale)
 
 
 def test_mlp_width_formula():
