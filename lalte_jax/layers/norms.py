@@ -4,7 +4,8 @@ Both have a hand-written backward that keeps only the input(s) in their own dtyp
 per-row inverse RMS in float32, and recomputes the normalised rows from them. Autodiff of the
 float32 forward would keep the float32 copies it multiplies (x in float32, x * inv_rms, and for
 the gated norm the normalised output and SiLU(gate)), each twice the bytes of the input, written
-by the forward and read by the backward of every layer when nothing is rematerialised.
+by the forward and read by the backward of every layer when nothing is rematerialised. Being
+`jax.custom_vjp` functions, they differentiate in reverse mode only (grad, vjp), as training does.
 """
 
 from __future__ import annotations
