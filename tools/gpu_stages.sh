@@ -50,9 +50,9 @@
 #              against our Pallas kernels and cuDNN, forward and forward+backward (~4 min)
 #   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
 #              of gdn-1.4b, gdn_swa-1.4b and lalte-1.4b (tools/bench_serving.py; ~5 min)
-#   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b, eager
-#              and torch.compile; ~10 min: FLA autotunes its kernels for ~4 min on its first
-#              step, 2026-11-26)
+#   anchors    our training step next to FLA's PyTorch models of the same configs (0.4b; ours at
+#              8 and 12 sequences, FLA eager at 8 and 16, then torch.compile at 8 within the
+#              budget; ~9 min without compile: FLA autotunes its kernels for ~4 min first)
 #   serving    prefill and decode of the 1.4b presets against the decode step's bytes bound
 #              (tools/bench_serving.py; SERVING_ARGS selects; ~5 min)
 #   genloop    generate's loop against pipelined decode steps: the GPU test that the loop copies no
@@ -291,13 +291,17 @@ case "$stage" in
     ;;
   anchors)
     # Ours first (JAX, then the process ends and frees the GPU), then FLA's PyTorch training of
-    # the same presets and shapes with the ratios to ours (the tool writes its JSON after every
-    # row). Needs FLA's wheels (--wheels). FLA keeps its autotuning results in TRITON_CACHE_DIR,
-    # so a second stage on the same machine starts faster.
-    step 150 python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 --steps 5 \
+    # the same presets, each side at the batches where its fastest lies (FLA's eager step is
+    # launch-bound at 4 sequences), with the ratios to ours (the tool writes its JSON after every
+    # row), then FLA's torch.compile mode at 8 if the budget leaves time (slower than eager in
+    # every run so far). Needs FLA's wheels (--wheels). FLA autotunes for ~4 min on its first
+    # step and keeps the results in TRITON_CACHE_DIR, so later rows and stages start faster.
+    step 200 python3 tools/bench_train.py --presets gdn-0.4b gdn_swa-0.4b --batch 8 12 --steps 5 \
       --warmup 2 --json "$dest/train_ours.json"
-    step 470 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --batch 4 \
-      --ours "$dest/train_ours.json" --json "$dest/train_fla.json"
+    step 400 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --modes eager \
+      --batch 8 16 --ours "$dest/train_ours.json" --json "$dest/train_fla.json"
+    step 300 python3 tools/bench_train_fla.py --presets gdn-0.4b gdn_swa-0.4b --modes compile \
+      --batch 8 --ours "$dest/train_ours.json" --json "$dest/train_fla_compile.json"
     ;;
   decode)
     # Ours (generate.DECODE_COMPILER_OPTIONS: every kernel run a CUDA graph) and XLA's default

@@ -13,30 +13,58 @@ def bench():
   return load_tool("bench_train_fla")
 
 
-def row(preset, mode, tokens_per_s, **extra):
-  return {"preset": preset, "mode": mode, "seq_len": 4096, "batch": 4, "status": "ok",
+def row(preset, mode, tokens_per_s, batch=4, **extra):
+  return {"preset": preset, "mode": mode, "seq_len": 4096, "batch": batch, "status": "ok",
           "tokens_per_s": tokens_per_s, **extra}
 
 
-def test_ours_over_the_faster_fla_mode(bench):
-  rows = [row("gdn-0.4b", "eager", 60_000.0), row("gdn-0.4b", "compile", 44_000.0),
-          row("gdn_swa-0.4b", "eager", 85_000.0), {**row("gdn_swa-0.4b", "compile", None),
-                                                    "status": "oom"},
+def ours_row(preset, tokens_per_s, batch, **extra):
+  return {"preset": preset, "tokens_per_s": tokens_per_s, "seq_len": 4096, "global_batch": batch,
+          **extra}
+
+
+def test_each_side_at_its_fastest_batch_and_at_the_same_batch(bench):
+  rows = [row("gdn-0.4b", "eager", 60_000.0), row("gdn-0.4b", "eager", 90_000.0, batch=8,
+                                                  peak_memory_gib=40.0),
+          row("gdn-0.4b", "compile", 70_000.0), row("gdn_swa-0.4b", "eager", 85_000.0),
+          {**row("gdn_swa-0.4b", "compile", None), "status": "oom"},
           row("transformer-0.4b", "eager", 90_000.0)]
-  ours = [{"preset": "gdn-0.4b", "tokens_per_s": 120_000.0, "seq_len": 4096, "global_batch": 4,
-           "peak_memory_gib": 9.5},
-          {"preset": "gdn_swa-0.4b", "tokens_per_s": 110_000.0, "seq_len": 4096,
-           "global_batch": 8, "peak_memory_gib": 10.0}]
+  ours = [ours_row("gdn-0.4b", 120_000.0, 4, peak_memory_gib=9.5),
+          ours_row("gdn-0.4b", 135_000.0, 8, peak_memory_gib=19.0),
+          {**ours_row("gdn-0.4b", None, 12), "status": "oom"},
+          ours_row("gdn_swa-0.4b", 110_000.0, 8, peak_memory_gib=10.0),
+          {**ours_row("gdn_swa-0.4b", 999_999.0, 4), "seq_len": 2048}]  # another length
   comparisons = {c["preset"]: c for c in bench.compare_with_ours(rows, ours)}
   assert sorted(comparisons) == ["gdn-0.4b", "gdn_swa-0.4b"]  # no row of ours: no comparison
   gdn = comparisons["gdn-0.4b"]
-  assert gdn["best_fla_mode"] == "eager" and gdn["ours_over_best_fla"] == pytest.approx(2.0)
-  swa = comparisons["gdn_swa-0.4b"]
-  assert swa["same_shape"] is False and swa["ours_over_best_fla"] is None  # batch 8 against 4
+  assert (gdn["ours_batch"], gdn["best_fla_mode"], gdn["best_fla_batch"]) == (8, "eager", 8)
+  assert gdn["ours_over_best_fla"] == pytest.approx(1.5)  # 135,000 / 90,000
+  # At 4 sequences FLA's faster mode is compile (70,000); at 8 only eager ran.
+  assert gdn["same_batch"] == {4: pytest.approx(120 / 70), 8: pytest.approx(1.5)}
+  swa = comparisons["gdn_swa-0.4b"]  # FLA ran 4 only, ours 8 only: no same-batch ratio
+  assert swa["ours_over_best_fla"] == pytest.approx(110 / 85) and swa["same_batch"] == {}
   table = bench.markdown_table(rows, list(comparisons.values()))
-  assert "| gdn-0.4b | 120,000 | 9.5 | 60,000 (eager) | 2.00 |" in table
+  assert "| gdn-0.4b | 135,000 (8, 19.0) | 90,000 (eager, 8, 40.0) | 1.50 | 1.71 at 4, 1.50 at 8 |" \
+      in table
   assert "| gdn_swa-0.4b | compile | oom |" in table
-  assert "| gdn_swa-0.4b | 110,000 | 10.0 | 85,000 (eager) | - (other shape) |" in table
+  assert "| gdn_swa-0.4b | 110,000 (8, 10.0) | 85,000 (eager, 4, -) | 1.29 | - |" in table
+
+
+def test_a_mode_stops_at_its_first_batch_out_of_memory(bench, monkeypatch, tmp_path):
+  ran = []
+
+  def fake_child(preset, mode, batch, args):
+    ran.append((mode, batch))
+    status = "oom" if (mode, batch) == ("eager", 8) else "ok"
+    return {**row(preset, mode, None if status == "oom" else 1000.0 * batch, batch=batch),
+            "status": status}
+
+  monkeypatch.setattr(bench, "child_row", fake_child)
+  monkeypatch.setattr(bench, "load_fla", lambda parser: None)
+  assert bench.main(["--presets", "gdn-0.4b", "--batch", "16", "4", "8",
+                     "--json", str(tmp_path / "fla.json")]) == 0
+  assert ran == [("eager", 4), ("eager", 8), ("compile", 4), ("compile", 8), ("compile", 16)]
+  assert len(json.loads((tmp_path / "fla.json").read_text())["rows"]) == 5
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -90,7 +118,7 @@ def test_each_row_comes_from_a_child_and_a_crash_becomes_a_row(bench, monkeypatc
     return bench.subprocess.CompletedProcess(command, 0)
 
   monkeypatch.setattr(bench.subprocess, "run", child_writes_its_row)
-  assert bench.child_row("gdn-0.4b", "eager", args)["tokens_per_s"] == 50_000.0
+  assert bench.child_row("gdn-0.4b", "eager", 2, args)["tokens_per_s"] == 50_000.0
   (command,) = commands
   assert command[1].endswith("bench_train_fla.py")
   assert command[2:] == ["--presets", "gdn-0.4b", "--modes", "eager", "--seq_len", "4096",
@@ -99,7 +127,7 @@ def test_each_row_comes_from_a_child_and_a_crash_becomes_a_row(bench, monkeypatc
 
   monkeypatch.setattr(bench.subprocess, "run",
                       lambda command, check: bench.subprocess.CompletedProcess(command, -11))
-  crashed = bench.child_row("gdn-0.4b", "compile", args)
+  crashed = bench.child_row("gdn-0.4b", "compile", 2, args)
   assert crashed["status"] == "crashed" and crashed["mode"] == "compile"
   assert crashed["error"] == "its child process ended with signal SIGSEGV before its row"
   assert "| gdn-0.4b | compile | crashed |" in bench.markdown_table([crashed], [])
