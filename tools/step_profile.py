@@ -23,7 +23,10 @@ custom_call_target, op_name metadata), first rule that applies:
 - `other`: custom calls of other targets and kernels without an HLO instruction;
   `other programs`: kernels of another compiled program that ran during the trace.
 
-Per step also the time under each word of the kernels' jax name stacks (`scopes_ms`: named
+Each top kernel also gets `gb_per_s`: its instruction's operand and result bytes (from the
+shapes in the HLO: what one launch moves at most, XLA's bytes-accessed estimate; an in-place
+update counts its whole buffer) over its time, to set a memory-bound kernel against the copy
+bandwidth. Per step also the time under each word of the kernels' jax name stacks (`scopes_ms`: named
 scopes such as `lte_router`, jitted functions such as `masked_attention`, primitives), the
 largest first: where in the model the time goes, across classes.
 
@@ -86,6 +89,7 @@ class HloOp:
   target: str = ""  # custom_call_target
   body: frozenset[str] = frozenset()  # opcodes inside a fusion, nested fusions included
   root: str = ""  # the opcode of a fusion's root (the instruction's own otherwise)
+  bytes: int = 0  # its operands' and result's bytes: what one launch moves at most (estimate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +103,12 @@ _HEADER = re.compile(r"(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")  # "%name (param
 _INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")  # "  %name = shape opcode(..."
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _CALLS = r"\bcalls=%?([\w.\-]+)"
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")  # "bf16[8,128]"
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}  # others: the number in the name
 
 
-def _opcode(rest: str) -> tuple[str, str]:
-  """(opcode, attributes) of an instruction's text after '=': the shape, then `opcode(`."""
+def _opcode(rest: str) -> tuple[str, str, str]:
+  """(result shape, opcode, the text after `opcode(`) of an instruction's text after '='."""
   depth, index = 0, 0
   if rest.startswith("("):  # a tuple shape: up to its closing parenthesis
     for index, char in enumerate(rest):
@@ -111,7 +117,38 @@ def _opcode(rest: str) -> tuple[str, str]:
         break
   start = rest.find(" ", index)
   match = _OPCODE.match(rest, start) if start >= 0 else None
-  return (match.group(1), rest[match.end():]) if match else ("", rest)
+  return (rest[:start], match.group(1), rest[match.end():]) if match else ("", "", rest)
+
+
+def shape_bytes(text: str) -> int:
+  """Bytes of every array shape written in `text` (a shape, a tuple of shapes, operands)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(dtype[1:]))
+    count = 1
+    for dim in filter(None, dims.split(",")):
+      count *= int(dim)
+    total += count * bits // 8
+  return total
+
+
+def _operands(arguments: str) -> list[str]:
+  """The operand texts of `opcode(` + arguments: up to the matching ')', split at depth 0."""
+  depth, current, operands = 0, [], []
+  for char in arguments:
+    if char in "([{":
+      depth += 1
+    elif char in ")]}":
+      if depth == 0:
+        break
+      depth -= 1
+    if char == "," and depth == 0:
+      operands.append("".join(current).strip())
+      current = []
+    else:
+      current.append(char)
+  operands.append("".join(current).strip())
+  return [operand for operand in operands if operand]
 
 
 def _attribute(pattern: str, text: str) -> str:
@@ -119,10 +156,16 @@ def _attribute(pattern: str, text: str) -> str:
   return match.group(1) if match else ""
 
 
+# Instructions that launch nothing by themselves (no bytes estimate).
+_NO_KERNEL = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
+
+
 def parse_hlo(text: str) -> HloModule:
-  """The instructions of an HLO module's text (`compiled.as_text()`), fusion bodies resolved."""
+  """The instructions of an HLO module's text (`compiled.as_text()`), fusion bodies resolved and
+  each instruction's bytes estimated from its operands' and result's shapes."""
   module = _attribute(r"^HloModule\s+([\w.\-]+)", text)
-  computations: dict[str, list[tuple[str, str, str, bool]]] = {}  # (name, opcode, attrs, root)
+  # computation -> [(name, shape, opcode, attributes, root)]
+  computations: dict[str, list[tuple[str, str, str, str, bool]]] = {}
   current = None
   for line in text.splitlines():
     if not line.startswith((" ", "\t")):
@@ -131,13 +174,14 @@ def parse_hlo(text: str) -> HloModule:
       continue
     instruction = _INSTRUCTION.match(line)
     if current is not None and instruction:
-      opcode, attributes = _opcode(instruction.group(3))
-      current.append((instruction.group(2), opcode, attributes, bool(instruction.group(1))))
+      shape, opcode, attributes = _opcode(instruction.group(3))
+      current.append((instruction.group(2), shape, opcode, attributes,
+                      bool(instruction.group(1))))
 
   def body(computation: str) -> tuple[frozenset[str], str]:
     """(opcodes, root opcode) of a fused computation; nested fusions' opcodes included."""
     opcodes, root = set(), ""
-    for _, opcode, attributes, is_root in computations.get(computation, ()):
+    for _, _, opcode, attributes, is_root in computations.get(computation, ()):
       opcodes.add(opcode)
       if opcode == "fusion":
         opcodes |= body(_attribute(_CALLS, attributes))[0]
@@ -146,13 +190,19 @@ def parse_hlo(text: str) -> HloModule:
 
   ops = {}
   for instructions in computations.values():
-    for name, opcode, attributes, _ in instructions:
+    result_bytes = {name: shape_bytes(shape) for name, shape, *_ in instructions}
+    for name, shape, opcode, attributes, _ in instructions:
       fused, root = (body(_attribute(_CALLS, attributes)) if opcode == "fusion"
                      else (frozenset({opcode}), opcode))
+      moved = 0
+      if opcode not in _NO_KERNEL:  # operands written with their shape, or by name
+        moved = result_bytes[name] + sum(
+            shape_bytes(operand) or result_bytes.get(operand.split()[-1].lstrip("%"), 0)
+            for operand in _operands(attributes))
       ops[name] = HloOp(
           name=name, opcode=opcode, op_name=_attribute(r'\bop_name="([^"]*)"', attributes),
           target=_attribute(r'\bcustom_call_target="([^"]*)"', attributes), body=fused,
-          root=root)
+          root=root, bytes=moved)
   by_kernel_name = {re.sub(r"[.\-]", "_", name): op for name, op in ops.items()}
   return HloModule(name=module, ops=ops, by_kernel_name=by_kernel_name)
 
@@ -216,7 +266,7 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
               source: str) -> dict:
   """Per-step times by class of `steps` traced steps (see the module doc); a JSON-ready dict."""
   steps_of_module = any(e.hlo_module == hlo.name for e in events)
-  classes: dict[str, dict[str, list[float]]] = {}  # class -> kernel -> [launches, ns]
+  classes: dict[str, dict[str, list[float]]] = {}  # class -> kernel -> [launches, ns, bytes]
   counted, mapped_ns, unmapped, op_names = [], 0.0, {}, {}
   scope_ns: dict[str, float] = {}  # name-stack word -> GPU time of the kernels under it
   not_collective = []  # the kernels that a collective can overlap with
@@ -232,9 +282,10 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
       if op is None and len(unmapped) < UNMAPPED_SAMPLE:
         unmapped.setdefault(event.name, {"kernel": event.name, "hlo_op": event.hlo_op,
                                          "hlo_module": event.hlo_module})
-    kernel = classes.setdefault(name, {}).setdefault(event.name, [0, 0.0])
+    kernel = classes.setdefault(name, {}).setdefault(event.name, [0, 0.0, 0])
     kernel[0] += 1
     kernel[1] += event.duration_ns
+    kernel[2] += op.bytes if op is not None else 0
     if op is not None and op.op_name:
       op_names.setdefault(event.name, op.op_name[:OP_NAME_CHARS])
     if op is not None and name != "other programs":
@@ -250,12 +301,15 @@ def breakdown(events: list[DeviceEvent], hlo: HloModule, *, steps: int, wall_s: 
   rows = []
   for name, kernels in classes.items():
     ranked = sorted(kernels.items(), key=lambda item: item[1][1], reverse=True)
-    class_ns = sum(ns for _, ns in kernels.values())
+    class_ns = sum(ns for _, ns, _ in kernels.values())
     rows.append({"class": name, "ms": per_step_ms(class_ns), "share": class_ns / kernel_ns,
-                 "launches": sum(n for n, _ in kernels.values()) / steps,
+                 "launches": sum(n for n, _, _ in kernels.values()) / steps,
                  "top": [{"kernel": kernel, "ms": per_step_ms(ns), "launches": n / steps,
-                          "op_name": op_names.get(kernel, "")}
-                         for kernel, (n, ns) in ranked[:TOP_KERNELS]]})
+                          "op_name": op_names.get(kernel, ""),
+                          # the operands' and result's bytes over the time: how far a
+                          # memory-bound kernel is from the copy bandwidth (bytes per ns = GB/s)
+                          "gb_per_s": moved / ns if moved and ns else None}
+                         for kernel, (n, ns, moved) in ranked[:TOP_KERNELS]]})
   rows.sort(key=lambda row: row["ms"], reverse=True)
   busy_ns = _union_ns(counted)
   busy_ms, wall_ms = per_step_ms(busy_ns), 1e3 * wall_s / steps
@@ -323,6 +377,7 @@ def markdown(result: dict, title: str) -> str:
       " top kernels (ms / step x launches) |", "|---|---:|---:|---:|---|"]
   for row in result["classes"]:
     top = "; ".join(f"`{k['kernel'][:60]}` {k['ms']:.3f} x{k['launches']:g}"
+                    + (f" {k['gb_per_s']:,.0f} GB/s" if k.get("gb_per_s") else "")
                     for k in row["top"][:TABLE_KERNELS])
     lines.append(f"| {row['class']} | {row['ms']:.3f} | {row['share']:.1%} |"
                  f" {row['launches']:g} | {top} |")

@@ -122,6 +122,11 @@ def test_parse_hlo_reads_opcodes_fusion_bodies_and_metadata(step_profile):
   assert hlo.ops["loss_fusion"].op_name.endswith("transpose(jvp(cross_entropy_loss))/reduce_sum")
   assert hlo.ops["while.1"].opcode == "while" and hlo.ops["dot.2"].opcode == "dot"
   assert hlo.by_kernel_name["loop_multiply_fusion_4"] is hlo.ops["loop_multiply_fusion.4"]
+  # Bytes: the result's shape(s) plus each operand's, looked up by name.
+  assert gemm.bytes == 128 + 256 and hlo.ops["custom-call.3"].bytes == 128 + 256 + 2 * 256
+  assert hlo.ops["dynamic-update-slice_fusion"].bytes == 2 * 2048 + 32 + 4  # whole buffer
+  assert hlo.ops["x"].bytes == 0  # a parameter launches nothing
+  assert step_profile.shape_bytes("(f32[8]{0}, s4[16]{0}, pred[3], f8e4m3fn[2,2], u16[])") == 49
 
 
 def test_classify_each_kind_of_instruction(step_profile):
@@ -180,17 +185,18 @@ def test_breakdown_per_step_times_shares_top_kernels_and_host_gaps(step_profile)
   assert rows["matmul"]["ms"] == pytest.approx(0.035) and rows["matmul"]["launches"] == 1.5
   assert rows["matmul"]["share"] == pytest.approx(70 / 134)
   assert rows["matmul"]["top"] == [
+      # bytes: bf16[8,8] out + f32[8,8] in, twice in 60 us; (bf16[8,8], s8[256]) + 2 x f32[8,8]
       {"kernel": "gemm_kernel", "ms": pytest.approx(0.03), "launches": 1.0,
-       "op_name": "jit(train_step)/jvp()/dot_general"},
+       "op_name": "jit(train_step)/jvp()/dot_general", "gb_per_s": pytest.approx(768 / 60e3)},
       {"kernel": "cublas_gemm_small", "ms": pytest.approx(0.005), "launches": 0.5,
-       "op_name": "jit(train_step)/dot_general"}]
+       "op_name": "jit(train_step)/dot_general", "gb_per_s": pytest.approx(896 / 10e3)}]
   assert rows["other programs"]["top"][0]["kernel"] == "convert_fusion"
   # By name-stack word: both GEMMs are dot_generals, the Pallas call and the multiply their own.
   assert result["scopes_ms"] == {"dot_general": pytest.approx(0.035),
                                  "pallas_call": pytest.approx(0.02), "mul": pytest.approx(0.005)}
   table = step_profile.markdown({**result, "device": "/device:GPU:0"}, "a step")
-  assert "| pallas: masked_attention_fwd | 0.020 | 29.9% | 1 | `masked_attention_fwd` 0.020 x1 |" \
-      in table
+  assert ("| pallas: masked_attention_fwd | 0.020 | 29.9% | 1 | `masked_attention_fwd` 0.020 x1"
+          " 0 GB/s |") in table
   assert ("GPU kernels of /device:GPU:0, 2 traced steps: wall 0.10 ms/step, busy 0.06 ms (64%),"
           " idle (host gaps) 0.04 ms") in table
 
