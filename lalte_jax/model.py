@@ -84,7 +84,9 @@ class Block(nnx.Module):
   def _residual(self, h_BTD: jax.Array, mix) -> tuple[jax.Array, object]:
     """h + mixed, then + SwiGLU(RMSNorm(.)), where `mix(RMSNorm(h))` returns (mixed, extra);
     returns the new h and extra."""
-    mixed_BTD, extra = mix(self.mixer_norm(h_BTD))
+    normed_BTD = self.mixer_norm(h_BTD)
+    with jax.named_scope(f"{self.mixer_kind}_mixer"):  # names its kernels in profiles
+      mixed_BTD, extra = mix(normed_BTD)
     return self._mlp_residual(h_BTD + mixed_BTD), extra
 
   def _mlp_residual(self, h_BTD: jax.Array, chunk_tokens: int | None = None) -> jax.Array:
@@ -210,7 +212,8 @@ class HybridLM(nnx.Module):
     """Final norm and LM head (the embedding's transpose when tied): logits [B, T, V] float32."""
     h_BTD = self.final_norm(h_BTD)
     head_DV = self.embed.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
-    return lm_head.float32_logits(h_BTD, head_DV.astype(h_BTD.dtype))
+    with jax.named_scope("lm_head"):  # names its kernels in profiles (tools/step_profile.py)
+      return lm_head.float32_logits(h_BTD, head_DV.astype(h_BTD.dtype))
 
   def __call__(self, tokens_BT: jax.Array, *, dropout_key: jax.Array | None = None,
                routing: RoutingControls | None = None, return_aux: bool = False,

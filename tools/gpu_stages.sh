@@ -28,6 +28,8 @@
 #   trainlte   laLTE's training cost against GDN+SWA: the router's pieces (tools/bench_router.py),
 #              the 0.4b pair with its GPU time by op class, the 1.4b pair over per-device batches
 #              1, 2, 4 (the fastest marked) (~7 min)
+#   trainprofile the 0.4b presets' steps at 8 sequences by op class, kernel GB/s and the model's
+#              named scopes (bench_train --profile; ~7 min)
 #   remat      the 0.4b presets' training step under the remat policies dots_attention, none and
 #              dots (4 sequences per GPU, routers at 12.5% kept; ~6 min)
 #   decodeflags the 1.4b decode step and `generate` with the serving flags, without them and with
@@ -77,7 +79,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -93,7 +95,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -226,6 +228,14 @@ case "$stage" in
       --json "$dest/train_0_4b.json"
     step 360 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 1 2 4 \
       --steps 3 --warmup 1 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
+    ;;
+  trainprofile)
+    # Where each 0.4b preset's step spends its GPU time at 8 sequences: op classes, the kernels'
+    # GB/s against the copy bandwidth and the time per named scope of the model (rms_norm,
+    # swiglu, <kind>_mixer, gdn_gates, gdn_output, lte_router, lm_head; tools/step_profile.py).
+    step 560 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b gdn-0.4b lansa-0.4b \
+      --batch 8 --steps 4 --warmup 2 --lte_kept_fraction 0.125 --profile --profile_steps 2 \
+      --json "$dest/train_profile.json"
     ;;
   remat)
     # Each policy's run holds the three presets, each in its own process (bench_train's default).

@@ -26,9 +26,10 @@ custom_call_target, op_name metadata), first rule that applies:
 Each top kernel also gets `gb_per_s`: its instruction's operand and result bytes (from the
 shapes in the HLO: what one launch moves at most, XLA's bytes-accessed estimate; an in-place
 update counts its whole buffer) over its time, to set a memory-bound kernel against the copy
-bandwidth. Per step also the time under each word of the kernels' jax name stacks (`scopes_ms`: named
-scopes such as `lte_router`, jitted functions such as `masked_attention`, primitives), the
-largest first: where in the model the time goes, across classes.
+bandwidth. Per step also the time under each word of the kernels' jax name stacks (`scopes_ms`: the
+model's named scopes - `rms_norm`, `swiglu`, `<kind>_mixer` per block, `gdn_gates`,
+`gdn_output`, `lte_router`, `lm_head` - jitted functions such as `masked_attention`, primitives),
+the largest first: where in the model the time goes, across classes.
 
 Per step: the wall time, the GPU busy time (the union of the kernels' intervals), the idle time
 (wall - busy: host dispatch and launch gaps), the GPU span (first kernel start to last kernel

@@ -22,5 +22,6 @@ class SwiGLU(nnx.Module):
         kernel_init=initializers.residual_output(init_std, intermediate_size, rescale_num_layers),
         **linear)
 
+  @jax.named_scope("swiglu")  # names its kernels in profiles (tools/step_profile.py)
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))

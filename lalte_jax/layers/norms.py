@@ -100,5 +100,6 @@ class RMSNorm(nnx.Module):
     self.eps = eps
     self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
 
+  @jax.named_scope("rms_norm")  # names its kernels in profiles (tools/step_profile.py)
   def __call__(self, x: jax.Array) -> jax.Array:
     return rms_norm(x, self.weight[...], self.eps)

@@ -72,6 +72,7 @@ class GatedDeltaNet(nnx.Module):
     self.o_norm_weight = nnx.Param(jnp.ones((gdn.value_dim,), jnp.float32))
     self.o_proj = output_projection(config, value_dim, rngs)
 
+  @jax.named_scope("gdn_gates")  # names its kernels in profiles (tools/step_profile.py)
   def gates(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(g, beta), each [B, T, H] float32."""
     beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
@@ -79,6 +80,7 @@ class GatedDeltaNet(nnx.Module):
     g_BTH = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH + self.dt_bias[...])
     return g_BTH, beta_BTH
 
+  @jax.named_scope("gdn_output")  # names its kernels in profiles (tools/step_profile.py)
   def output(self, o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Array:
     """Gated per-head RMSNorm, then o_proj."""
     gdn = self.config.gdn
