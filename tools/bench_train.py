@@ -36,7 +36,9 @@ b/T = 512/4096); the result records the share kept in the last timed step.
 Each preset runs in a fresh child process (default), so that its peak memory is its own and an
 out-of-memory preset cannot leave the next one fragmented memory. RESOURCE_EXHAUSTED (at compile
 or run time) is reported as status "oom" and the benchmark continues with the next preset.
-Prints one JSON line per preset and a markdown table; `--json PATH` writes the list. `--profile`
+Prints one JSON line per preset and a markdown table, then, for presets run with gdn_swa of their
+size, their tokens/s over gdn_swa's, each at its fastest batch and at every batch both ran
+(`ratios_to_reference`); `--json PATH` writes the list. `--profile`
 then traces `--profile_steps` more steps and adds their GPU time by op class (Pallas kernels,
 matmuls, cuDNN, XLA fusions, copies, collectives, host gaps: tools/step_profile.py) to each
 result ("profile") and prints it as a table per preset.
@@ -313,6 +315,48 @@ def mark_fastest(results: list[dict]) -> None:
       r["fastest"] = r is best
 
 
+REFERENCE_VARIANT = "gdn_swa"  # the presets' tokens/s are set against gdn_swa of their size
+
+
+def ratios_to_reference(results: list[dict]) -> list[dict]:
+  """Per preset with a gdn_swa preset of its size among the results: its tokens/s at its fastest
+  batch over gdn_swa's at its fastest, and at each batch both ran ({batch: ratio}).
+
+  Each at its own fastest batch is how a user would run either (e.g. laLTE's done-when ratio
+  against GDN+SWA); the same-batch ratios show how much of it the batch choice makes."""
+  ran = [r for r in results if r["status"] == "ok"]
+  by_preset: dict[str, list[dict]] = {}
+  for r in ran:
+    by_preset.setdefault(r["preset"], []).append(r)
+  rows = []
+  for preset, mine in by_preset.items():
+    variant, _, size = preset.partition("-")
+    reference = by_preset.get(f"{REFERENCE_VARIANT}-{size}")
+    if variant == REFERENCE_VARIANT or not reference:
+      continue
+    best = max(mine, key=lambda r: r["tokens_per_s"])
+    best_reference = max(reference, key=lambda r: r["tokens_per_s"])
+    at_reference = {r["batch_per_device"]: r["tokens_per_s"] for r in reference}
+    rows.append({
+        "preset": preset, "reference": f"{REFERENCE_VARIANT}-{size}",
+        "batch": best["batch_per_device"], "reference_batch": best_reference["batch_per_device"],
+        "at_fastest": best["tokens_per_s"] / best_reference["tokens_per_s"],
+        "same_batch": {r["batch_per_device"]: r["tokens_per_s"] / at_reference[r["batch_per_device"]]
+                       for r in sorted(mine, key=lambda r: r["batch_per_device"])
+                       if r["batch_per_device"] in at_reference}})
+  return rows
+
+
+def ratio_table(rows: list[dict]) -> str:
+  lines = ["| preset | / reference | each at its fastest batch (batches) | at the same batch |",
+           "|" + "---|" * 4]
+  for row in rows:
+    same = ", ".join(f"{ratio:.3f} at {batch}" for batch, ratio in row["same_batch"].items())
+    lines.append(f"| {row['preset']} | {row['reference']} | {row['at_fastest']:.3f}"
+                 f" ({row['batch']} / {row['reference_batch']}) | {same or '-'} |")
+  return "\n".join(lines)
+
+
 def table_cell(value, fmt: str) -> str:
   return "-" if value is None else format(value, fmt)
 
@@ -373,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     results += preset_results
   if not args.in_process or len(results) > 1:
     print(markdown_table(results))
+    ratios = ratios_to_reference(results)
+    if ratios:
+      print("\n" + ratio_table(ratios))
     print("command: python tools/bench_train.py " + " ".join(argv))
   if args.profile:
     import step_profile  # pylint: disable=import-outside-toplevel

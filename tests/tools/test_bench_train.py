@@ -107,6 +107,26 @@ def test_batch_sweep_stops_at_the_first_out_of_memory_and_marks_the_fastest(monk
   assert "fastest" not in one[0]  # one batch: nothing to choose between
 
 
+def test_ratios_to_gdn_swa_of_the_same_size_at_each_fastest_batch_and_at_common_batches():
+  bench = load_tool("bench_train")
+  row = lambda preset, batch, tokens: {"preset": preset, "status": "ok",
+                                       "batch_per_device": batch, "tokens_per_s": tokens}
+  results = [row("gdn_swa-0.4b", 8, 170.0), row("gdn_swa-0.4b", 12, 174.0),
+             row("lalte-0.4b", 8, 153.0), row("lalte-0.4b", 12, 160.0),
+             {"preset": "lalte-0.4b", "status": "oom", "batch_per_device": 16},
+             row("lalte-1.4b", 4, 48.0),  # no gdn_swa-1.4b here: no ratio
+             row("gdn-0.4b", 8, 150.0)]
+  rows = {r["preset"]: r for r in bench.ratios_to_reference(results)}
+  assert sorted(rows) == ["gdn-0.4b", "lalte-0.4b"]
+  lalte = rows["lalte-0.4b"]
+  assert (lalte["batch"], lalte["reference_batch"]) == (12, 12)
+  assert lalte["at_fastest"] == pytest.approx(160 / 174)
+  assert lalte["same_batch"] == {8: pytest.approx(0.9), 12: pytest.approx(160 / 174)}
+  assert rows["gdn-0.4b"]["at_fastest"] == pytest.approx(150 / 174)
+  table = bench.ratio_table(list(rows.values()))
+  assert "| lalte-0.4b | gdn_swa-0.4b | 0.920 (12 / 12) | 0.900 at 8, 0.920 at 12 |" in table
+
+
 @pytest.mark.parametrize("batch", [["0"], ["2", "2"]])
 def test_bad_batches_are_refused(batch, capsys):
   with pytest.raises(SystemExit):
