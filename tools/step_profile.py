@@ -71,6 +71,7 @@ SCOPE_CLASSES = (("optimizer_update", "XLA: optimizer update"),
 GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|nvjet|xmma", re.IGNORECASE)
 TOP_KERNELS = 20  # per class in the JSON result; the markdown table shows the first TABLE_KERNELS
 TABLE_KERNELS = 5
+TABLE_SCOPES = 15  # name-stack words in the markdown summary
 OP_NAME_CHARS = 160  # of a top kernel's jax name stack, kept in the JSON result
 UNMAPPED_SAMPLE = 10  # kernels without an instruction, listed in the result to show why
 SCOPE_TOTALS = 40  # names of the jax name stack with the most GPU time, in the JSON result
@@ -382,4 +383,8 @@ def markdown(result: dict, title: str) -> str:
                     for k in row["top"][:TABLE_KERNELS])
     lines.append(f"| {row['class']} | {row['ms']:.3f} | {row['share']:.1%} |"
                  f" {row['launches']:g} | {top} |")
+  scopes = list(result.get("scopes_ms", {}).items())[:TABLE_SCOPES]
+  if scopes:
+    lines += ["", "By name-stack word (a kernel counts under each word of its stack): "
+              + "; ".join(f"`{word}` {ms:.3f} ms" for word, ms in scopes)]
   return "\n".join(lines)

@@ -199,6 +199,8 @@ def test_breakdown_per_step_times_shares_top_kernels_and_host_gaps(step_profile)
           " 0 GB/s |") in table
   assert ("GPU kernels of /device:GPU:0, 2 traced steps: wall 0.10 ms/step, busy 0.06 ms (64%),"
           " idle (host gaps) 0.04 ms") in table
+  assert ("By name-stack word (a kernel counts under each word of its stack): `dot_general` 0.035"
+          " ms; `pallas_call` 0.020 ms; `mul` 0.005 ms") in table
 
 
 def test_cpu_thunks_of_control_flow_are_not_counted_twice(step_profile):
