@@ -232,3 +232,25 @@ def test_profile_step_traces_a_carried_step_on_cpu(step_profile):
   assert "matmul" in classes and classes <= set(EXPECTED.values())
   assert sum(row["share"] for row in result["classes"]) == pytest.approx(1.0)
   assert 0 < result["busy_ms"] <= result["wall_ms"]
+
+
+def test_the_models_named_scopes_reach_the_compiled_training_step(step_profile):
+  """The named scopes that `scopes_ms` reports for the model's parts survive into the op_name
+  metadata of the compiled gradient (forward and backward ops alike), so a profile can attribute
+  a step's kernels to norms, MLPs, mixers, gates, the router and the head."""
+  from flax import nnx
+  from lalte_jax.model import HybridLM
+  from lalte_jax.presets import get_model_config
+  graphdef, state = nnx.split(HybridLM(get_model_config("lalte-tiny"), rngs=nnx.Rngs(0)))
+
+  def loss(state, tokens_BT):
+    return jnp.mean(nnx.merge(graphdef, state)(tokens_BT))
+
+  hlo = step_profile.parse_hlo(jax.jit(jax.grad(loss)).lower(
+      state, jnp.zeros((1, 32), jnp.int32)).compile().as_text())
+  words = {word for op in hlo.ops.values() for word in op.op_name.replace("(", "/").replace(
+      ")", "/").split("/")}
+  assert {"rms_norm", "swiglu", "gdn_mixer", "lte_mixer", "gdn_gates", "gdn_output", "lte_router",
+          "lm_head"} <= words
+  backward = {op.op_name for op in hlo.ops.values() if "transpose(jvp(" in op.op_name}
+  assert any("swiglu" in name for name in backward)  # the backward's kernels are named too
