@@ -9,6 +9,7 @@ steps of an online softmax (flash attention) forward and backward shared by the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -18,10 +19,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["LOG2_E", "MIN_DOT_DIM", "cdiv", "dkdv_step", "dot_nn", "dot_nt", "dot_tn", "dq_step",
-           "exp2", "exp2_affine", "interpret_mode", "is_power_of_two", "kernel_dot",
-           "merge_splits", "next_power_of_two", "probabilities", "round_up", "softmax_finish", "softmax_start",
-           "softmax_step", "triton_compiler_params", "triton_dot"]
+__all__ = ["LOG2_E", "MIN_DOT_DIM", "cdiv", "check_launch_fields", "dkdv_step", "dot_nn", "dot_nt",
+           "dot_tn", "dq_step", "exp2", "exp2_affine", "interpret_mode", "is_power_of_two",
+           "kernel_dot", "merge_splits", "next_power_of_two", "probabilities", "round_up",
+           "softmax_finish", "softmax_start", "softmax_step", "triton_compiler_params",
+           "triton_dot"]
 
 # Triton's tl.dot needs >= 16 along every dimension.
 MIN_DOT_DIM = 16
@@ -56,6 +58,18 @@ def triton_compiler_params(num_warps: int, num_stages: int):
 
 def is_power_of_two(value: int) -> bool:
   return value > 0 and value & (value - 1) == 0
+
+
+def check_launch_fields(config, *, power_of_two=lambda name: False) -> None:
+  """ValueError naming the field of a frozen launch-parameter dataclass that is not a positive
+  int, or, where `power_of_two(field name)`, not a power of two."""
+  name = type(config).__name__
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}.{field.name} must be a positive int, got {value!r}")
+    if power_of_two(field.name) and not is_power_of_two(value):
+      raise ValueError(f"{name}.{field.name} must be a power of two, got {value!r}")
 
 
 def next_power_of_two(size: int, minimum: int = MIN_DOT_DIM) -> int:

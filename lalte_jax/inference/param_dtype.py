@@ -13,7 +13,7 @@ Why the rule is safe: every parameter of ndim >= 2 is cast to the activation dty
 `.astype(k.dtype)`), so with bfloat16 activations storing them in bfloat16 changes no result, and
 with float32 activations it only rounds them (each matrix is then converted to float32 where it is
 used, as float32 compute asks: serve with bfloat16 activations to read half the bytes). The 1-D
-vectors multiply or shift float32 values (`rms_normalize(x) * weight`, the float32 gates
+vectors multiply or shift float32 values (`rms_norm(x, weight)`, the float32 gates
 `-exp(A_log) * softplus(a + dt_bias)`), where rounding would be a real change; the router's
 projection bias is added in the activation dtype and stays float32 as every vector does, for no
 loss: the vectors are a few kilobytes.

@@ -22,12 +22,6 @@ def inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
   return jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-  """x / sqrt(mean(x^2, -1) + eps), computed in float32."""
-  x32 = x.astype(jnp.float32)
-  return x32 * inverse_rms(x32, eps)
-
-
 def _leading_sum(x32: jax.Array) -> jax.Array:
   """Sum over every axis but the last: a weight's gradient."""
   return jnp.sum(x32.reshape(-1, x32.shape[-1]), axis=0)
@@ -64,8 +58,8 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """rms_normalize(x) * weight * SiLU(gate) in float32, rounded to x's dtype (GDN's output
-  norm, per head over the last axis)."""
+  """x / sqrt(mean(x^2, -1) + eps) * weight * SiLU(gate) in float32, rounded to x's dtype
+  (GDN's output norm, per head over the last axis)."""
   return _gated_rms_norm_fwd(x, gate, weight, eps)[0]
 
 

@@ -47,7 +47,8 @@ from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
     wy_kernel,
 )
 from pallas_kernels.gated_delta_rule.xla_prepare import uses_exact_matmuls
-from pallas_kernels.pallas_common import interpret_mode, next_power_of_two, triton_compiler_params
+from pallas_kernels.pallas_common import (
+    check_launch_fields, interpret_mode, next_power_of_two, triton_compiler_params)
 
 __all__ = ["PrepareConfig", "prepare_chunks"]
 
@@ -69,10 +70,7 @@ class PrepareConfig:
   attention_backward_num_warps: int = 8
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"PrepareConfig.{field.name} must be a positive int, got {value!r}")
+    check_launch_fields(self)
 
 
 def _specs(q, v, chunk_size):

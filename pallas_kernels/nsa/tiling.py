@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.pallas_common import (
-    LOG2_E, MIN_DOT_DIM, is_power_of_two, next_power_of_two, round_up)
+    LOG2_E, MIN_DOT_DIM, check_launch_fields, is_power_of_two, next_power_of_two, round_up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +48,7 @@ class NSABlockSizes:
   num_stages_bwd: int = 2
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"NSABlockSizes.{field.name} must be a positive int, got {value!r}")
-      if not field.name.startswith("num_stages") and not is_power_of_two(value):
-        raise ValueError(f"NSABlockSizes.{field.name} must be a power of two, got {value!r}")
+    check_launch_fields(self, power_of_two=lambda name: not name.startswith("num_stages"))
     if self.cmp_bwd_queries_per_program < max(self.cmp_positions, self.cmp_bwd_positions):
       raise ValueError("NSABlockSizes.cmp_bwd_queries_per_program must be >= cmp_positions and"
                        f" cmp_bwd_positions, got {self.cmp_bwd_queries_per_program}")

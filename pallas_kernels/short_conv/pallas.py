@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.pallas_common import (
-    cdiv, interpret_mode, is_power_of_two, next_power_of_two, round_up, triton_compiler_params)
+    cdiv, check_launch_fields, interpret_mode, is_power_of_two, next_power_of_two, round_up,
+    triton_compiler_params)
 
 __all__ = ["ShortConvBlocks", "short_conv_silu"]
 
@@ -59,12 +60,7 @@ class ShortConvBlocks:
   num_warps_dw: int = 4
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"ShortConvBlocks.{field.name} must be a positive int, got {value!r}")
-      if field.name.startswith("block") and not is_power_of_two(value):
-        raise ValueError(f"ShortConvBlocks.{field.name} must be a power of two, got {value}")
+    check_launch_fields(self, power_of_two=lambda name: name.startswith("block"))
 
 
 def _channel_block(channels: int, wanted: int) -> int:
