@@ -15,6 +15,10 @@ absolute times of these sub-millisecond calls moved by 15% between machines, 202
 - `router fwd+bwd, dropout, XLA, nothing kept`: the first row with everything recomputed (remat
   "block");
 - `router fwd+bwd, no dropout, XLA`: the first row without a key (what the dropout adds);
+- `router fwd+bwd, dropout, Pallas`: the first row with the fused Pallas kernels
+  (`pallas_kernels/lte_router/pallas.py`; at presets whose router widths they take);
+- `router fwd+bwd, dropout, XLA, everything kept` and `..., Pallas, everything kept`: both
+  versions with every activation kept, as the training step's remat `none` (its default) does;
 - `masks, hashed (ours)` and `masks, threefry (jax.random.bernoulli)`: the three dropout masks of
   one router call alone ([Hkv, B, T, C] for C = 2D, D, D/2), applied to bf16 activations, ours
   (pallas_kernels/lte_router/counter_hash.py) against JAX's standard Bernoulli draw;
@@ -48,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.lte_router import ROUTER_ACTIVATION, counter_hash
+from pallas_kernels.lte_router import pallas as router_pallas
 from pallas_kernels.lte_router import reference as router_reference
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
 from lalte_jax.presets import get_model_config
@@ -166,16 +171,27 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
 
   rows, group = [], []
   keep_activations = jax.checkpoint_policies.save_only_these_names(ROUTER_ACTIVATION)
-  for name, key, policy in (
-      ("router fwd+bwd, dropout, XLA", dropout_key, keep_activations),
-      ("router fwd+bwd, dropout, XLA, nothing kept", dropout_key, None),
-      ("router fwd+bwd, no dropout, XLA", None, keep_activations)):
-    def score_sum(params, k, v, key=key):
-      return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key))
-    grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
-    group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))
-  rows += paired_group(preset, group, repeats)
-  group = []
+  every = lambda _, *args, **kwargs: True  # remat "none": the step keeps every activation
+  groups = [[("router fwd+bwd, dropout, XLA", "xla", dropout_key, keep_activations),
+             ("router fwd+bwd, dropout, XLA, nothing kept", "xla", dropout_key, None),
+             ("router fwd+bwd, no dropout, XLA", "xla", None, keep_activations)]]
+  try:  # the Pallas kernels take power-of-two widths >= 16 (not the tiny presets')
+    router_pallas.check_supported(k_BTKD, [w[...] for w in router.conv_weights])
+    groups[0].append(("router fwd+bwd, dropout, Pallas", "pallas", dropout_key, keep_activations))
+    groups.append([("router fwd+bwd, dropout, XLA, everything kept", "xla", dropout_key, every),
+                   ("router fwd+bwd, dropout, Pallas, everything kept", "pallas", dropout_key,
+                    every)])
+  except NotImplementedError as error:
+    print(f"{preset}: no Pallas rows ({error})", file=sys.stderr)
+  for variants in groups:
+    for name, implementation, key, policy in variants:
+      def score_sum(params, k, v, key=key, implementation=implementation):
+        return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key,
+                                                   implementation=implementation))
+      grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
+      group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))
+    rows += paired_group(preset, group, repeats)
+    group = []
   widths = channel_widths(lte.head_dim, len(lte.router_kernel_sizes))[:-1]
   activations = [jnp.ones((lte.num_kv_heads, batch, seq_len, width), jnp.bfloat16)
                  for width in widths]

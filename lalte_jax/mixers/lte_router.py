@@ -10,8 +10,9 @@ convolution, groups = Hkv).
 With kernel size 1 everywhere the router sees no context: the LTE-MLP ablation (§7.3).
 
 score = sigmoid(logit) - 0.5, so a token is kept iff score > 0 (G2). The module owns the
-parameters; the computation is the op `pallas_kernels.lte_router.router_logits` (XLA, its only
-version), run per batch shard under a mesh.
+parameters; the computation is the op `pallas_kernels.lte_router.router_logits` (its default
+version: fused Pallas kernels on a GPU in training, XLA for a prompt's padding mask and on other
+platforms), run per batch shard under a mesh.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flax import nnx
 from lalte_jax.config import LTEConfig
 from lalte_jax.layers import initializers
 from lalte_jax.sharding import per_batch_shard
+from pallas_kernels.dispatch import Implementation
 from pallas_kernels.lte_router import counter_hash, router_logits
 
 
@@ -51,16 +53,19 @@ class LTERouter(nnx.Module):
     self.proj_bias = nnx.Param(jnp.full((heads,), 0.5, jnp.float32))
 
   def __call__(self, k_BTKD: jax.Array, v_BTKD: jax.Array, *, mask_BT: jax.Array | None = None,
-               dropout_key: jax.Array | None = None) -> jax.Array:
+               dropout_key: jax.Array | None = None,
+               implementation: Implementation = None) -> jax.Array:
     """Scores [B, T, Hkv] float32 in (-0.5, 0.5) from pre-RoPE keys and values.
 
     mask_BT (bool, True = real token) zeroes padded tokens' features and every conv output at
     padded positions, the same as zero padding there. `dropout_key` turns dropout on (training).
+    `implementation` picks the router op's version (None: its default; tools/bench_router.py
+    times them), apart from the model-wide `implementation` of the attention ops.
     """
     with jax.named_scope("lte_router"):  # names the router's kernels in profiles
-      return self._scores(k_BTKD, v_BTKD, mask_BT, dropout_key)
+      return self._scores(k_BTKD, v_BTKD, mask_BT, dropout_key, implementation)
 
-  def _scores(self, k_BTKD, v_BTKD, mask_BT, dropout_key):
+  def _scores(self, k_BTKD, v_BTKD, mask_BT, dropout_key, implementation):
     lte = self.config
     dtype = k_BTKD.dtype
     if mask_BT is not None:
@@ -78,7 +83,7 @@ class LTERouter(nnx.Module):
       return router_logits(
           k_BTKD, v_BTKD, weights, biases, proj_weight, proj_bias, seeds,
           dilations=lte.router_dilations, rate=lte.router_dropout, mask_BT=mask_BT,
-          row_offset=row_offset)  # its only version, whatever the model's `implementation`
+          row_offset=row_offset, implementation=implementation)
 
     if mask_BT is None:  # training: the router runs per batch shard under a mesh
       logit_BTK = per_batch_shard(logits, (k_BTKD, v_BTKD), params, batch_axis=0)

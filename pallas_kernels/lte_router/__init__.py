@@ -11,16 +11,33 @@ from __future__ import annotations
 
 import jax
 
+import jax.numpy as jnp
+
 from pallas_kernels.dispatch import Implementation, resolve
-from pallas_kernels.lte_router import reference
+from pallas_kernels.lte_router import pallas, reference
 from pallas_kernels.lte_router.reference import ROUTER_ACTIVATION
 
 __all__ = ["router_logits", "ROUTER_ACTIVATION", "GPU_DEFAULT"]
 
-# The XLA version is the only one: fused Pallas kernels measured slower on one H200 (2026-11-29,
-# lalte-0.4b B4 T4096 with dropout): the router's forward and backward 1.180 ms against XLA's
-# 1.023 ms, the training step 150.3 / 150.6 ms against 148.8 / 148.6 ms in two rounds.
-GPU_DEFAULT = ("xla",)
+# The per-layer fused kernels (pallas.py) took the router's forward and backward to 0.77x XLA's
+# time on one H200 (2026-11-29, lalte-0.4b B4 T4096), but the step, then scanned over layer
+# groups, copied their kept activations through its stacked buffers and did not gain; the step
+# now runs the groups unrolled. (Kernels reading k and v in place measured 1.15x XLA's time.)
+GPU_DEFAULT = ("pallas", "xla")
+
+
+def _pallas(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds, *, dilations,
+            rate, mask_BT=None, row_offset=0):
+  if mask_BT is not None:
+    raise NotImplementedError("lte_router[pallas]: no padding mask (a prompt's router runs XLA)")
+  # Heads first, as the XLA version; the first layer's dropout runs in XLA fused with the
+  # transpose that builds the input.
+  x_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1), (2, 0, 1, 3))
+  pallas.check_supported(x_KBTC, weights)
+  xd_KBTC = reference.dropped(x_KBTC, None if seeds is None else seeds[0], rate, row_offset)
+  logit_KBT = pallas.router_logits(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds,
+                                   dilations=dilations, rate=rate, row_offset=row_offset)
+  return jnp.transpose(logit_KBT, (1, 2, 0))
 
 
 def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
@@ -42,8 +59,9 @@ def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
       conv output is zeroed there before the SiLU); None: every token is real.
     row_offset: the global index of row 0 (int32; a batch shard's first row): the dropout
       masks hash global rows, so a sharded batch draws the whole batch's masks.
-    implementation: see `pallas_kernels.dispatch`: "xla" (reference.py), the only version; None
-      runs it too (GPU_DEFAULT on a GPU, "xla" elsewhere).
+    implementation: see `pallas_kernels.dispatch`: "xla" (reference.py) or "pallas" (pallas.py:
+      fused kernels per layer, no mask_BT, power-of-two widths >= 16); None: GPU_DEFAULT on a GPU
+      (the first that handles the inputs), "xla" elsewhere.
   """
   if k_BTKD.shape != v_BTKD.shape or k_BTKD.ndim != 4:
     raise ValueError(f"lte_router: k {k_BTKD.shape} and v {v_BTKD.shape} must be equal [B, T, K,"
@@ -73,8 +91,8 @@ def router_logits(k_BTKD: jax.Array, v_BTKD: jax.Array, weights, biases,
     raise ValueError(f"lte_router: seeds {seeds.shape}, expected ({len(weights)}, 2)")
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"lte_router: dropout rate must be in [0, 1), got {rate}")
-  version = resolve("lte_router", implementation, {"xla": reference.router_logits},
-                    gpu_default=GPU_DEFAULT)
+  version = resolve("lte_router", implementation,
+                    {"xla": reference.router_logits, "pallas": _pallas}, gpu_default=GPU_DEFAULT)
   return version(k_BTKD, v_BTKD, tuple(weights), tuple(biases), proj_weight_KC, proj_bias_K,
                  seeds, dilations=tuple(dilations), rate=float(rate), mask_BT=mask_BT,
                  row_offset=row_offset)

@@ -64,7 +64,7 @@ def _value_and_grads(fn, args, cotangent):
   return [out] + jax.tree.leaves(vjp(cotangent.astype(out.dtype)))
 
 
-def _check(dtype, length, taps, dilations, rate, row_offset=0, factor=1.0):
+def _check(dtype, length, taps, dilations, rate, row_offset=0, factor=1.0, implementation="xla"):
   args, seeds, cotangent = _inputs(length, taps, rate=rate)
   with float64():
     want = _value_and_grads(
@@ -75,7 +75,7 @@ def _check(dtype, length, taps, dilations, rate, row_offset=0, factor=1.0):
   params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args[2:]]
   got = _value_and_grads(
       lambda *a: router_logits(*a, seeds, dilations=dilations, rate=rate, row_offset=row_offset,
-                               implementation="xla"),
+                               implementation=implementation),
       kv + params, jnp.asarray(cotangent, jnp.float32))
   names = ["logit", "dk", "dv"] + [f"d{n}{i}" for n in ("weight", "bias") for i in range(len(taps))]
   names += ["dproj_weight", "dproj_bias"]
@@ -83,24 +83,42 @@ def _check(dtype, length, taps, dilations, rate, row_offset=0, factor=1.0):
     assert_close(g, w, dtype, factor=factor, name=name)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("length, taps, dilations, rate, row_offset", [
     (100, (3, 3, 3), (2, 2, 2), 0.1, 0),
     (37, (3, 3, 3), (2, 2, 2), 0.0, 0),
     (130, (3, 5, 1), (1, 2, 3), 0.25, 3),
 ])
-def test_matches_the_float64_definition(dtype, length, taps, dilations, rate, row_offset):
+def test_matches_the_float64_definition(implementation, dtype, length, taps, dilations, rate,
+                                        row_offset):
+  """Both versions, lengths below and across the Pallas kernels' 128-row tiles."""
   _check(dtype, length, taps, dilations, rate, row_offset,
-         factor=2.0 if dtype == jnp.bfloat16 else 1.0)
+         factor=2.0 if dtype == jnp.bfloat16 else 1.0, implementation=implementation)
 
 
-def test_no_read_across_rows():
+def test_versions_agree_in_float32():
+  """The Pallas kernels against the XLA version (same masks, same rounding points)."""
+  args, seeds, cotangent = _inputs(300, (3, 3, 3), rate=0.1)
+  args = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args]
+  got = {name: _value_and_grads(
+      lambda *a, name=name: router_logits(*a, seeds, dilations=(2, 2, 2), rate=0.1, row_offset=5,
+                                          implementation=name),
+      args, jnp.asarray(cotangent, jnp.float32)) for name in ("xla", "pallas")}
+  for pallas_value, xla_value in zip(got["pallas"], got["xla"]):
+    scale = float(jnp.max(jnp.abs(xla_value)))
+    np.testing.assert_allclose(np.asarray(pallas_value), np.asarray(xla_value), rtol=0,
+                               atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_no_read_across_rows(implementation):
   """NaN in batch row 1 of k and v: row 0's logits and gradients equal a run without them."""
   args, seeds, cotangent = _inputs(70, (3, 3, 3))
   k, v = (jnp.asarray(a, jnp.float32) for a in args[:2])
   params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), a) for a in args[2:]]
   run = lambda k, v: router_logits(k, v, *params, seeds, dilations=(2, 2, 2), rate=0.1,
-                                   implementation="xla")
+                                   implementation=implementation)
   cotangent = jnp.asarray(cotangent, jnp.float32).at[1].set(0.0)
   clean, clean_vjp = jax.vjp(run, k, v)
   poisoned, vjp = jax.vjp(run, k.at[1].set(jnp.nan), v.at[1].set(jnp.nan))
@@ -139,22 +157,24 @@ def test_refuses_bad_arguments(change, message):
     router_logits(*args, None, dilations=(2, 2, 2), rate=0.0, implementation="xla")
 
 
-def test_has_only_the_xla_version():
-  """The router's Pallas kernels were removed (they measured slower than XLA): naming them
-  raises; None runs XLA."""
+def test_the_pallas_version_refuses_a_padding_mask_and_none_runs_xla_on_a_cpu():
+  """A prompt's padding mask is the XLA version's alone (the default tries Pallas first on a GPU
+  and passes a masked call on); on a CPU None runs XLA."""
   args, _, _ = _inputs(20, (3, 3, 3), rate=0.0)
   args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
-  run = lambda implementation: router_logits(*args, None, dilations=(2, 2, 2), rate=0.0,
-                                             implementation=implementation)
-  with pytest.raises(NotImplementedError, match="does not exist for this op"):
-    run("pallas")
-  np.testing.assert_array_equal(np.asarray(run(None)), np.asarray(run("xla")))
+  run = lambda implementation, mask=None: router_logits(
+      *args, None, dilations=(2, 2, 2), rate=0.0, mask_BT=mask, implementation=implementation)
+  with pytest.raises(NotImplementedError, match="no padding mask"):
+    run("pallas", jnp.ones((BATCH, 20), bool))
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(np.asarray(run(None)), np.asarray(run("xla")))
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "cudnn"])
-def test_a_model_wide_version_the_router_lacks_runs_xla(implementation):
-  """LTEConfig.implementation also picks the attention ops' versions: a name the router op lacks
-  gives the XLA router's scores (padding mask or not) instead of raising."""
+def test_a_model_wide_version_does_not_pick_the_routers(implementation):
+  """LTEConfig.implementation picks the attention ops' versions, not the router's (which runs its
+  default: the router op has no cuDNN version, and its Pallas one takes no padding mask): the
+  scores equal those of a model set to "xla", with a padding mask or not."""
   lte = get_model_config("lalte-tiny").lte
   k_BTKD = jax.random.normal(jax.random.key(0), (2, 16, lte.num_kv_heads, lte.head_dim))
   mask_BT = jnp.arange(16)[None, :] >= jnp.array([[0], [3]])
