@@ -18,9 +18,7 @@ from lalte_jax.inference.group_slot import plain_of_view, view_of_plain
 from lalte_jax.inference import lte_cache
 from lalte_jax.inference.lte_cache import LTECache, init_lte_cache
 from lalte_jax.layers.rope import apply_rope, default_positions
-from lalte_jax.mixers import lte_router
 from lalte_jax.mixers.lte import LTEAttention
-from pallas_kernels.lte_router import settled_logit
 
 
 def tiny_config(name="lalte-tiny", dtype="float32", **lte_changes):
@@ -158,26 +156,6 @@ def test_teacher_forcing_matches_training_layer_below_the_cap(name, prefix):
   assert int(cache.past_len.max()) == int(out_of_window.sum(axis=1).max())
 
 
-def test_teacher_forcing_with_the_pallas_settled_score(monkeypatch):
-  """Decoding scores each settled token with the router's one-kernel version (its GPU default;
-  interpret mode here, at a head dim whose router widths it takes): the training layer's output."""
-  calls = []
-
-  def pallas_settled_logit(*args, **kwargs):
-    calls.append(kwargs.pop("implementation"))
-    return settled_logit(*args, **kwargs, implementation="pallas")
-
-  monkeypatch.setattr(lte_router, "settled_logit", pallas_settled_logit)
-  config = tiny_config(cap=48, head_dim=64)
-  layer = LTEAttention(config, rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(1), (2, 72, config.hidden_size))
-  set_keep_fraction(layer, x, 0.2)
-  expected, _ = layer(x)
-  out, _ = Runner(layer).run(x, 30)
-  assert_close(out, expected)
-  assert calls  # the decode step traced the patched op
-
-
 # 2. Beyond the cap: the cache keeps exactly the token set of a brute-force simulation.
 
 class ValueReadingRouter(nnx.Module):
@@ -186,10 +164,6 @@ class ValueReadingRouter(nnx.Module):
   def __call__(self, k_BTKD, v_BTKD, *, mask_BT=None, dropout_key=None):
     del k_BTKD, mask_BT, dropout_key
     return v_BTKD[..., 0].astype(jnp.float32)
-
-  def settled_scores(self, k_BSKD, v_BSKD, real_BS):
-    """The span's centre, as `LTERouter.settled_scores` (a decoding step's settled token)."""
-    return self(k_BSKD, v_BSKD, mask_BT=real_BS)[:, k_BSKD.shape[1] // 2]
 
 
 def simulate_kept_sets(score_BTK, real_BT, prefix, window_keys, cap, num_sinks):

@@ -18,7 +18,7 @@ from jax.extend import core as jax_core
 from lalte_jax.mixers.lte_router import LTERouter
 from lalte_jax.model import REMAT_CHECKPOINT_POLICIES
 from lalte_jax.presets import get_model_config
-from pallas_kernels.lte_router import counter_hash, pallas_settled, router_logits, settled_logit
+from pallas_kernels.lte_router import counter_hash, router_logits
 from tests.kernel_testing import assert_close, float64
 
 HEADS, BATCH, HEAD_DIM = 2, 2, 64
@@ -95,16 +95,6 @@ def test_matches_the_float64_definition(implementation, dtype, length, taps, dil
   """Both versions, lengths below and across the Pallas kernels' 128-row tiles."""
   _check(dtype, length, taps, dilations, rate, row_offset,
          factor=2.0 if dtype == jnp.bfloat16 else 1.0, implementation=implementation)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_on_gpu_matches_the_float64_definition(dtype):
-  """The compiled kernels on a GPU (interpret mode elsewhere): the paper's router (three layers,
-  kernel 3, dilation 2) with dropout, across several of the kernels' 128-row tiles and a ragged
-  last one, a shard's row offset."""
-  _check(dtype, 1037, (3, 3, 3), (2, 2, 2), 0.1, row_offset=2,
-         factor=2.0 if dtype == jnp.bfloat16 else 1.0, implementation="pallas")
 
 
 def test_versions_agree_in_float32():
@@ -228,78 +218,3 @@ def test_remat_policy_attention_recomputes_no_router_convolution():
     return _dot_count(jax.make_jaxpr(grad)(params, k_BTKD, k_BTKD).jaxpr)
 
   assert dots("attention") == dots("block") - len(lte.router_kernel_sizes) - 1
-
-
-# The settled token's logit (decoding): one span of 2 m + 1 tokens, m the receptive half-width.
-
-def _span_inputs(batch, taps, dilations, *, seed=3):
-  span = 2 * pallas_settled.receptive_half_width(taps, dilations) + 1
-  args, _, _ = _inputs(span, taps, seed=seed)
-  rng = np.random.default_rng(seed)
-  k, v = (rng.standard_normal((batch, span, HEADS, HEAD_DIM)) for _ in range(2))
-  # Blanks lead some rows (a ring not yet full, or a row's left padding).
-  real = np.arange(span)[None, :] >= rng.integers(0, span // 2 + 1, size=(batch, 1))
-  return k, v, real, args[2:]
-
-
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("batch, taps, dilations", [
-    (3, (3, 3, 3), (2, 2, 2)), (19, (3, 5, 1), (1, 2, 3)), (2, (1,), (1,))])
-def test_settled_logit_is_the_centre_of_the_masked_router(implementation, dtype, batch, taps,
-                                                          dilations):
-  """The span's centre against the float64 router over the span with its padding mask; row
-  counts below and across the kernel's 16-row blocks; a context-free router (span 1)."""
-  k, v, real, params = _span_inputs(batch, taps, dilations)
-  centre = k.shape[1] // 2
-  with float64():
-    want = router_logits(jnp.asarray(k), jnp.asarray(v),
-                         *(jax.tree.map(jnp.asarray, p) for p in params), None,
-                         dilations=dilations, rate=0.0, mask_BT=jnp.asarray(real),
-                         implementation="xla")[:, centre]
-  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p) for p in params]
-  got = settled_logit(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(real),
-                      *params, dilations=dilations, implementation=implementation)
-  assert got.shape == (batch, HEADS) and got.dtype == jnp.float32
-  assert_close(got, want, dtype, factor=2.0 if dtype == jnp.bfloat16 else 1.0, name="logit")
-
-
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_settled_logit_reads_no_other_row_and_no_position_outside_the_cone(implementation):
-  """NaN in row 1, and in row 0 at span positions the centre does not read (odd offsets, for
-  dilation 2 everywhere): row 0's logit is unchanged (the Pallas kernel skips them; XLA's
-  whole-span convolution reads them, so it is checked on row 1 only)."""
-  taps, dilations = (3, 3, 3), (2, 2, 2)
-  k, v, real, params = _span_inputs(4, taps, dilations)
-  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p) for p in params]
-  run = lambda k, v: settled_logit(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
-                                   jnp.asarray(real), *params, dilations=dilations,
-                                   implementation=implementation)
-  clean = np.asarray(run(k, v))
-  k_poisoned, v_poisoned = k.copy(), v.copy()
-  k_poisoned[1], v_poisoned[1] = np.nan, np.nan
-  if implementation == "pallas":
-    assert pallas_settled.cone(taps, dilations, 6)[0] == (0, 2, 4, 6, 8, 10, 12)
-    k_poisoned[0, 1::2], v_poisoned[0, 1::2] = np.nan, np.nan
-  poisoned = np.asarray(run(k_poisoned, v_poisoned))
-  np.testing.assert_array_equal(poisoned[[0, 2, 3]], clean[[0, 2, 3]])
-
-
-@pytest.mark.gpu
-def test_settled_logit_pallas_on_gpu_matches_xla():
-  """The compiled kernel at a decoding step's shape (32 rows, the paper's router), bf16."""
-  taps, dilations = (3, 3, 3), (2, 2, 2)
-  k, v, real, params = _span_inputs(32, taps, dilations)
-  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p) for p in params]
-  got = {name: settled_logit(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
-                             jnp.asarray(real), *params, dilations=dilations,
-                             implementation=name) for name in ("xla", "pallas")}
-  assert_close(got["pallas"], got["xla"], jnp.bfloat16, factor=2.0, name="logit")
-
-
-def test_settled_logit_refuses_a_span_that_is_not_the_receptive_field():
-  k, v, real, params = _span_inputs(2, (3, 3, 3), (2, 2, 2))
-  params = [jax.tree.map(jnp.asarray, p) for p in params]
-  with pytest.raises(ValueError, match=r"\[B, 13, K, D\]"):
-    settled_logit(jnp.asarray(k[:, 1:]), jnp.asarray(v[:, 1:]), jnp.asarray(real[:, 1:]),
-                  *params, dilations=(2, 2, 2))
