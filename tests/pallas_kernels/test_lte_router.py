@@ -97,6 +97,16 @@ def test_matches_the_float64_definition(implementation, dtype, length, taps, dil
          factor=2.0 if dtype == jnp.bfloat16 else 1.0, implementation=implementation)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_on_gpu_matches_the_float64_definition(dtype):
+  """The compiled kernels on a GPU (interpret mode elsewhere): the paper's router (three layers,
+  kernel 3, dilation 2) with dropout, across several of the kernels' 128-row tiles and a ragged
+  last one, a shard's row offset."""
+  _check(dtype, 1037, (3, 3, 3), (2, 2, 2), 0.1, row_offset=2,
+         factor=2.0 if dtype == jnp.bfloat16 else 1.0, implementation="pallas")
+
+
 def test_versions_agree_in_float32():
   """The Pallas kernels against the XLA version (same masks, same rounding points)."""
   args, seeds, cotangent = _inputs(300, (3, 3, 3), rate=0.1)
