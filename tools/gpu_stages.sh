@@ -38,6 +38,13 @@
 #              command buffers) and unrolled: the copies into and out of the scan's per-layer
 #              buffers (~6 min a round; --budget 560 keeps the first)
 #   batches    the training step at the per-device batches bench_train picks from (the fastest
+#              that fits marked), routers at 12.5% kept: gdn_swa-0.4b and lalte-0.4b at 8, 12
+#              and 16 (each batch a process compiling its unrolled step: ~65 s a row; ~7 min)
+#   batches14  the same for gdn_swa-1.4b and lalte-1.4b at 4 and 8 (~5 min)
+#   layercopies the 0.4b pair's step scanned, with XLA's dynamic-slice fusion (with and without
+#              command buffers) and unrolled: the copies into and out of the scan's per-layer
+#              buffers (~6 min a round; --budget 560 keeps the first)
+#   batches    the training step at the per-device batches bench_train picks from (the fastest
 #              that fits marked): gdn_swa and lalte at 0.4b (8, 12, 16) and 1.4b (4, 8) (~9 min)
 #   ltesweep   LTE training attention's backward blocks at a lalte-0.4b layer (16 query heads over
 #              16 KV heads, window 769, 512 kept per KV head: routers at 12.5%), B8 T4096, with
@@ -79,7 +86,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -95,7 +102,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -249,10 +256,14 @@ case "$stage" in
     ;;
   batches)
     # MFU and laLTE's ratio are quoted at each preset's fastest batch that fits; each batch is a
-    # child process, and a preset stops at its first batch that runs out of memory.
-    step 330 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 8 12 16 \
+    # child process, and a preset stops at its first batch that runs out of memory. Six rows of
+    # ~65 s each (compiling the unrolled step is most of it): 330 s was too short on an H200,
+    # 2026-11-30.
+    step 460 python3 tools/bench_train.py --presets gdn_swa-0.4b lalte-0.4b --batch 8 12 16 \
       --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_0_4b.json"
-    step 220 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 4 8 \
+    ;;
+  batches14)
+    step 300 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 4 8 \
       --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
     ;;
   layercopies)
