@@ -145,15 +145,19 @@ def test_calibrated_router_biases_keep_the_asked_share_of_tokens_per_layer_and_h
   bench = load_tool("bench_train")
   config = get_model_config("lalte-tiny")
   params = nnx.to_pure_dict(nnx.state(HybridLM(config, rngs=nnx.Rngs(0)), nnx.Param))
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 128)),
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (4, 256)),
                        jnp.int32)
-  # Compiled once for the three parameter sets (run eagerly, each call took ~1.5 s).
-  kept_fn = jax.jit(lambda p, t: jnp.mean(nnx.merge(model_graphdef(config), p)(
-      t, return_aux=True)[1].lte_scores > 0, axis=(1, 2)))
-  kept = lambda p: np.asarray(kept_fn(p, tokens))
+  # Compiled once for the three parameter sets (run eagerly, each call took ~1.5 s). The share
+  # is counted as the training step counts it, router dropout on (other draws than the
+  # calibration's: 4 of them, averaged; a draw moves a head's share of these 1,024 tokens by
+  # ~0.02). Calibrated without dropout, the share under dropout is ~0.2 for 0.125.
+  kept_fn = jax.jit(lambda p, t, key: jnp.mean(nnx.merge(model_graphdef(config), p)(
+      t, dropout_key=key, return_aux=True)[1].lte_scores > 0, axis=(1, 2)))
+  kept = lambda p: np.mean([np.asarray(kept_fn(p, tokens, jax.random.key(seed)))
+                            for seed in range(10, 14)], axis=0)
   assert kept(params).min() > 0.9  # as initialised (output bias +0.5) nearly every token is kept
   for fraction in (0.125, 0.5):
     np.testing.assert_allclose(kept(bench.calibrated_lte_biases(params, config, tokens, fraction)),
-                               fraction, atol=1 / 128)
+                               fraction, atol=0.04)
   with pytest.raises(ValueError, match="--lte_kept_fraction"):
     bench.calibrated_lte_biases(params, config, tokens, 0.0)
