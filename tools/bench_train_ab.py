@@ -16,6 +16,8 @@ and round. Both trees get the same arguments, so a default that differs between 
 `--remat` or `--scan_layers`, both changed on 2026-11-29) makes the trees run different
 settings: the settings each tree recorded are compared per preset, and any that differ are
 listed under the table and in the JSON (`settings_differ`); give them after `--` to pin them.
+So is the share of tokens laLTE's routers kept in each tree's timed steps, where the two differ by
+more than 0.01 (the cost of laLTE's attention follows it).
 Exit status: 0 when every run of both trees succeeded.
 """
 
@@ -73,6 +75,10 @@ def run_tree(tree: pathlib.Path, bench_argv: list[str]) -> list[dict]:
 # bench_train) shows None.
 SETTINGS = ("seq_len", "grad_accum", "remat", "scan_layers", "dtype", "implementation",
             "lte_kept_fraction_set", "loss_chunk_tokens", "mesh_fsdp", "xla_flags")
+# laLTE's attention cost follows the share of tokens its routers keep, which each tree measures
+# in its timed steps: shares further apart than this (e.g. a calibration that changed) are
+# listed with the settings, as the mean of each tree's rounds.
+KEPT_SHARE_TOLERANCE = 0.01
 
 
 def summary(results: list[dict]) -> list[dict]:
@@ -95,6 +101,13 @@ def summary(results: list[dict]) -> list[dict]:
     base, this = settings[key].get("base"), settings[key].get("this")
     row["settings_differ"] = {} if base is None or this is None else {
         name: [base[name], this[name]] for name in SETTINGS if base[name] != this[name]}
+    kept = {tree: [r["lte_kept_fraction"] for r in results
+                   if (r["preset"], str(r.get("batch_per_device"))) == key and r["tree"] == tree
+                   and r.get("lte_kept_fraction") is not None] for tree in ("base", "this")}
+    if kept["base"] and kept["this"]:
+      shares = [round(statistics.mean(kept[tree]), 4) for tree in ("base", "this")]
+      if abs(shares[0] - shares[1]) > KEPT_SHARE_TOLERANCE:
+        row["settings_differ"]["lte_kept_fraction"] = shares
   return list(rows.values())
 
 

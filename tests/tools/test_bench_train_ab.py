@@ -82,6 +82,19 @@ def test_summary_names_the_settings_the_trees_ran_differently():
   assert same["settings_differ"] == {} and "different settings" not in ab.markdown([same])
 
 
+def test_summary_names_a_kept_share_that_differs_between_the_trees():
+  """laLTE's kept share is measured, not set: shares more than 0.01 apart are listed."""
+  ab = load_tool("bench_train_ab")
+  row = lambda tree, round_, share: {"preset": "lalte", "batch_per_device": 8, "round": round_,
+                                     "tree": tree, "status": "ok", "step_time_s": 0.2,
+                                     "lte_kept_fraction": share}
+  (differ,) = ab.summary([row("base", 0, 0.17), row("this", 0, 0.125), row("base", 1, 0.18),
+                          row("this", 1, 0.126)])
+  assert differ["settings_differ"] == {"lte_kept_fraction": [0.175, 0.1255]}
+  (close,) = ab.summary([row("base", 0, 0.125), row("this", 0, 0.13)])
+  assert close["settings_differ"] == {}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--base", "x"], "after '--'"),
     (["--base", str(REPO), "--", "--presets", "p"], "is this checkout"),
