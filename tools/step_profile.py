@@ -2,8 +2,9 @@
 tools/bench_decode.py).
 
 `profile_step` traces a few steps after warm-up (`pallas_kernels.benchmarking.traced_passes`),
-maps each GPU kernel to the HLO instruction it ran (the event's `hlo_op` stat; without one, the
-kernel name, which XLA derives from the instruction's name) and classifies the instruction from
+maps each GPU kernel to the HLO instruction it ran (the event's `hlo_op` stat; without one, or
+with a CUDA graph's instead, the kernel name, which XLA derives from the instruction's name, or a
+Pallas call's `name=` in its custom call's backend config) and classifies the instruction from
 the compiled step's HLO text (`compiled.as_text()`: opcode, the opcodes a fusion holds,
 custom_call_target, op_name metadata), first rule that applies:
 
@@ -99,12 +100,20 @@ class HloModule:
   name: str
   ops: dict[str, HloOp]  # instruction name -> op, every computation's
   by_kernel_name: dict[str, HloOp]  # the same under XLA's kernel names ('.' and '-' as '_')
+  # Custom calls by the kernel name in their backend config (a Pallas call's `name=`), the first
+  # of each name: a kernel that runs inside a CUDA graph reports the graph's instruction
+  # ("command_buffer_1"), not its own, and is found by its name.
+  by_custom_kernel: dict[str, HloOp] = dataclasses.field(default_factory=dict)
 
 
 _HEADER = re.compile(r"(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")  # "%name (params) -> shape {"
 _INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")  # "  %name = shape opcode(..."
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _CALLS = r"\bcalls=%?([\w.\-]+)"
+# A custom call's kernel name in its backend config: `name = "k"` (typed FFI attributes, as the
+# Pallas Triton calls print) or `"name":"k"` (JSON).
+_KERNEL_NAME = r'(?:^|[\s{,])(?:name\s*=\s*|"name"\s*:\s*)"([^"\\]+)"'
+
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")  # "bf16[8,128]"
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}  # others: the number in the name
 
@@ -206,7 +215,14 @@ def parse_hlo(text: str) -> HloModule:
           target=_attribute(r'\bcustom_call_target="([^"]*)"', attributes), body=fused,
           root=root, bytes=moved)
   by_kernel_name = {re.sub(r"[.\-]", "_", name): op for name, op in ops.items()}
-  return HloModule(name=module, ops=ops, by_kernel_name=by_kernel_name)
+  by_custom_kernel = {}
+  for instructions in computations.values():
+    for name, _, opcode, attributes, _ in instructions:
+      kernel = _attribute(_KERNEL_NAME, attributes) if opcode == "custom-call" else ""
+      if kernel:
+        by_custom_kernel.setdefault(kernel, ops[name])
+  return HloModule(name=module, ops=ops, by_kernel_name=by_kernel_name,
+                   by_custom_kernel=by_custom_kernel)
 
 
 def classify(op: HloOp | None, kernel: str) -> str:
@@ -248,9 +264,10 @@ def _instruction(hlo: HloModule, event: DeviceEvent) -> HloOp | None:
   if event.hlo_op:
     name = event.hlo_op.lstrip("%")
     op = hlo.ops.get(name) or hlo.by_kernel_name.get(re.sub(r"[.\-]", "_", name))
-    if op is not None:
+    if op is not None and not (op.opcode in CONTAINER_OPCODES
+                               and event.name in hlo.by_custom_kernel):
       return op
-  return hlo.by_kernel_name.get(event.name)
+  return hlo.by_kernel_name.get(event.name) or hlo.by_custom_kernel.get(event.name)
 
 
 def _union_ns(events: list[DeviceEvent]) -> float:

@@ -203,6 +203,21 @@ def test_breakdown_per_step_times_shares_top_kernels_and_host_gaps(step_profile)
           " ms; `pallas_call` 0.020 ms; `mul` 0.005 ms") in table
 
 
+def test_a_pallas_kernel_in_a_cuda_graph_is_found_by_its_name(step_profile):
+  """A kernel run inside a command buffer reports the buffer's instruction; a Pallas kernel is
+  then found by the name in its custom call's backend config, with its class and name stack."""
+  hlo = step_profile.parse_hlo(HLO)
+  assert hlo.by_custom_kernel == {"masked_attention_fwd": hlo.ops["custom-call.7"]}
+  result = step_profile.breakdown(
+      [event("masked_attention_fwd", 0, 20, "command_buffer_1"),
+       event("loop_multiply_fusion_4", 20, 10, "command_buffer_1")],
+      hlo, steps=1, wall_s=40e-6, source=step_profile.GPU_SOURCE)
+  assert result["mapped_share"] == 1.0
+  assert [row["class"] for row in result["classes"]] == [
+      "pallas: masked_attention_fwd", "XLA: elementwise / loop"]
+  assert result["scopes_ms"] == {"pallas_call": pytest.approx(0.02), "mul": pytest.approx(0.01)}
+
+
 def test_cpu_thunks_of_control_flow_are_not_counted_twice(step_profile):
   hlo = step_profile.parse_hlo(HLO)
   events = [event("while.1", 0, 50, "while.1"),  # on the CPU: contains its body's thunks
