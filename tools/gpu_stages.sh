@@ -55,6 +55,9 @@
 #              holding that tree's lalte_jax, pallas_kernels and tools, e.g. from `git archive`;
 #              relative paths from the repository root):
 #              gdn_swa-0.4b and lalte-0.4b at 8 sequences, routers at 12.5% (~8 min)
+#   servingab  this tree's `generate` against another's (AB_BASE, as for `ab`), in alternation,
+#              two rounds: lalte-1.4b at 32 rows after a 4K prompt (SERVINGAB_ARGS: other
+#              bench_serving arguments; one run ~2 min), then each run's ms a token (~8 min)
 #   tma        SWA-1024 as native Triton kernels with TMA descriptors (tools/probe_tma_attention.py)
 #              against our Pallas kernels and cuDNN, forward and forward+backward (~4 min)
 #   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
@@ -86,7 +89,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -102,7 +105,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -299,6 +302,33 @@ case "$stage" in
     step 560 python3 tools/bench_train_ab.py --base "$AB_BASE" --rounds 2 \
       --json "$dest/ab.json" -- --presets gdn_swa-0.4b lalte-0.4b --batch 8 --steps 5 \
       --warmup 2 --lte_kept_fraction 0.125
+    ;;
+  servingab)
+    [ -d "${AB_BASE:-}" ] || { echo "servingab: set AB_BASE to the other tree's directory" >&2; exit 2; }
+    base=$(cd "$AB_BASE" && pwd) || exit 2
+    read -r -a serving <<<"${SERVINGAB_ARGS:---presets lalte-1.4b --batches 32 --prompts 4096 --steps 10 --warmup 3 --prefill-iters 1 --generate 129 256}"
+    for round in 0 1; do
+      # The other tree imports its own lalte_jax and pallas_kernels: its directory replaces this
+      # one on the path.
+      (cd "$base" && PYTHONPATH=${PYTHONPATH//$PWD/$base} step 170 python3 \
+        tools/bench_serving.py "${serving[@]}" --json "$dest/base_$round.json")
+      step 170 python3 tools/bench_serving.py "${serving[@]}" --json "$dest/this_$round.json"
+    done
+    python3 - "$dest" <<'SUMMARY' | tee -a "$log"
+import json, pathlib, sys
+dest = pathlib.Path(sys.argv[1])
+print("| round | model | batch | base ms / token | this ms / token | this / base |")
+print("|---|---|---:|---:|---:|---:|")
+for round_ in (0, 1):
+  runs = {tree: dest / f"{tree}_{round_}.json" for tree in ("base", "this")}
+  if not all(path.is_file() for path in runs.values()):
+    continue
+  rows = {tree: json.loads(path.read_text())["rows"] for tree, path in runs.items()}
+  for base, this in zip(rows["base"], rows["this"]):
+    b, t = base.get("generate_ms_per_token"), this.get("generate_ms_per_token")
+    ratio = f"{t / b:.4f}" if b and t else "-"
+    print(f"| {round_} | {this['model']} | {this['batch']} | {b} | {t} | {ratio} |")
+SUMMARY
     ;;
   tma)
     step 300 python3 tools/probe_tma_attention.py --json "$dest/tma.json"
