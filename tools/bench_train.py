@@ -238,7 +238,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
 
 
 def calibrated_lte_biases(params: dict, model_config, tokens_BT, fraction: float,
-                          rounds: int = 2, dropout_seed: int = 0) -> dict:
+                          rounds: int = 2) -> dict:
   """`params` with each LTE router's output bias shifted per head so that a share `fraction` of
   the tokens of `tokens_BT` get a score > 0 (are kept) in the training forward, router dropout
   on. A model at initialisation keeps most tokens (output bias +0.5), so its attention costs
@@ -257,7 +257,7 @@ def calibrated_lte_biases(params: dict, model_config, tokens_BT, fraction: float
   if not 0.0 < fraction <= 1.0:
     raise ValueError(f"--lte_kept_fraction: {fraction} is not in (0, 1]")
   graphdef = model_graphdef(model_config)
-  dropout_key = jax.random.key(dropout_seed)
+  dropout_key = jax.random.key(0)  # any draw: the share kept depends on the rate, not the draw
   scores_fn = jax.jit(lambda p, t: nnx.merge(graphdef, p)(
       t, dropout_key=dropout_key, return_aux=True)[1].lte_scores)
   group_pattern = model_config.layer_pattern[:model_config.pattern_period]

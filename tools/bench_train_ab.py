@@ -85,7 +85,7 @@ def summary(results: list[dict]) -> list[dict]:
   """Per (preset, batch): each round's step times of both trees, the ratio this / base, the
   median ratio over the rounds where both ran, and the settings whose recorded values differ
   between the trees ({name: [base, this]})."""
-  rows, settings = {}, {}
+  rows, settings, kept = {}, {}, {}
   for r in results:
     key = (r["preset"], str(r.get("batch_per_device")))
     row = rows.setdefault(key, {"preset": r["preset"], "batch": r.get("batch_per_device"),
@@ -93,6 +93,8 @@ def summary(results: list[dict]) -> list[dict]:
     row["rounds"].setdefault(r["round"], {})[r["tree"]] = (
         r.get("step_time_s") if r.get("status") == "ok" else None)
     settings.setdefault(key, {}).setdefault(r["tree"], {name: r.get(name) for name in SETTINGS})
+    if r.get("lte_kept_fraction") is not None:
+      kept.setdefault(key, {}).setdefault(r["tree"], []).append(r["lte_kept_fraction"])
   for key, row in rows.items():
     ratios = [times["this"] / times["base"] for times in row["rounds"].values()
               if times.get("this") and times.get("base")]
@@ -101,11 +103,9 @@ def summary(results: list[dict]) -> list[dict]:
     base, this = settings[key].get("base"), settings[key].get("this")
     row["settings_differ"] = {} if base is None or this is None else {
         name: [base[name], this[name]] for name in SETTINGS if base[name] != this[name]}
-    kept = {tree: [r["lte_kept_fraction"] for r in results
-                   if (r["preset"], str(r.get("batch_per_device"))) == key and r["tree"] == tree
-                   and r.get("lte_kept_fraction") is not None] for tree in ("base", "this")}
-    if kept["base"] and kept["this"]:
-      shares = [round(statistics.mean(kept[tree]), 4) for tree in ("base", "this")]
+    shares_by_tree = kept.get(key, {})
+    if "base" in shares_by_tree and "this" in shares_by_tree:
+      shares = [round(statistics.mean(shares_by_tree[tree]), 4) for tree in ("base", "this")]
       if abs(shares[0] - shares[1]) > KEPT_SHARE_TOLERANCE:
         row["settings_differ"]["lte_kept_fraction"] = shares
   return list(rows.values())

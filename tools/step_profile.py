@@ -199,7 +199,7 @@ def parse_hlo(text: str) -> HloModule:
       root = opcode if is_root else root
     return frozenset(opcodes), root
 
-  ops = {}
+  ops, by_custom_kernel = {}, {}
   for instructions in computations.values():
     result_bytes = {name: shape_bytes(shape) for name, shape, *_ in instructions}
     for name, shape, opcode, attributes, _ in instructions:
@@ -214,13 +214,10 @@ def parse_hlo(text: str) -> HloModule:
           name=name, opcode=opcode, op_name=_attribute(r'\bop_name="([^"]*)"', attributes),
           target=_attribute(r'\bcustom_call_target="([^"]*)"', attributes), body=fused,
           root=root, bytes=moved)
-  by_kernel_name = {re.sub(r"[.\-]", "_", name): op for name, op in ops.items()}
-  by_custom_kernel = {}
-  for instructions in computations.values():
-    for name, _, opcode, attributes, _ in instructions:
       kernel = _attribute(_KERNEL_NAME, attributes) if opcode == "custom-call" else ""
       if kernel:
         by_custom_kernel.setdefault(kernel, ops[name])
+  by_kernel_name = {re.sub(r"[.\-]", "_", name): op for name, op in ops.items()}
   return HloModule(name=module, ops=ops, by_kernel_name=by_kernel_name,
                    by_custom_kernel=by_custom_kernel)
 
