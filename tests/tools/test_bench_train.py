@@ -21,7 +21,8 @@ def test_tiny_preset_runs_and_reports(tmp_path, children):
   done = children.run(
       [sys.executable, str(SCRIPT), "--presets", "lalte-tiny", "--seq_len", "64", "--steps", "2",
        "--warmup", "1", "--batch", "2", "--grad_accum", "2", "--remat", "block",
-       "--scan_layers", "false", "--profile", "--profile_steps", "1", "--json", str(output)],
+       "--scan_layers", "false", "--lte_kept_fraction", "0.5", "--profile", "--profile_steps", "1",
+       "--json", str(output)],
       cwd=tmp_path, env=env, timeout=900)
   assert done.returncode == 0, done.stderr[-4000:]
   (result,) = json.loads(output.read_text())
@@ -33,6 +34,9 @@ def test_tiny_preset_runs_and_reports(tmp_path, children):
   assert result["compile_s"] > 0 and result["flops_per_token"] > 0
   assert result["mfu"] is None  # CPU: no datasheet peak
   assert 0 < result["final_loss"] < 10  # random tokens over a 256-token vocabulary: ~ln 256
+  # The routers recalibrated before each step: the last timed step kept the share asked for
+  # (256 tokens a head under another dropout draw: within a few hundredths).
+  assert result["lte_kept_fraction"] == pytest.approx(0.5, abs=0.08)
   assert "| lalte-tiny | ok | 64 | 2 x 2 | block |" in done.stdout
   profile = result["profile"]  # the same step traced on the CPU: its XLA thunks by class
   assert profile["source"] == "CPU thunks" and profile["module"] == "jit_train_step"
@@ -157,7 +161,7 @@ def test_calibrated_router_biases_keep_the_asked_share_of_tokens_per_layer_and_h
                             for seed in range(10, 14)], axis=0)
   assert kept(params).min() > 0.9  # as initialised (output bias +0.5) nearly every token is kept
   for fraction in (0.125, 0.5):
-    np.testing.assert_allclose(kept(bench.calibrated_lte_biases(params, config, tokens, fraction)),
-                               fraction, atol=0.04)
+    calibrate = bench.lte_calibrator(config, tokens, fraction)
+    np.testing.assert_allclose(kept(calibrate(params)), fraction, atol=0.04)
   with pytest.raises(ValueError, match="--lte_kept_fraction"):
-    bench.calibrated_lte_biases(params, config, tokens, 0.0)
+    bench.lte_calibrator(config, tokens, 0.0)
