@@ -201,7 +201,7 @@ def score_settled_token(cache: LTECache, lte: LTEConfig, router, position: jax.A
   positions_BS = jnp.broadcast_to(position - window_keys + chrono_S, (batch, span))
   k_pre_BSKD = derope(cache.k.take((rows_B1, slot_S[None])), positions_BS, lte.rope_theta)
   real_BS = chrono_S[None, :] >= blank_B[:, None]
-  fresh_BK = router(k_pre_BSKD, cache.v.take((rows_B1, slot_S[None])), mask_BT=real_BS)[:, margin]
+  fresh_BK = router.settled_scores(k_pre_BSKD, cache.v.take((rows_B1, slot_S[None])), real_BS)
   # The settled token's score follows without reading the old one: +inf for a sink (one of the
   # row's first num_sinks real tokens), -inf for a blank, else the fresh score. (A read of the
   # slot would also let XLA move it before the insert's write, which touches another slot, and

@@ -12,11 +12,13 @@ from flax import nnx
 
 from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import ModelCache, StepContext
+from lalte_jax.mixers.gdn import GatedDeltaNet
 
 
 def decode_groups(model) -> tuple | None:
   """Each layer group's parameters as arrays of their own, (graphdef, (state_0, ..., state_G-1)),
-  for decoding on a GPU; None elsewhere (the groups then run as a rolled `lax.scan`).
+  prepared for decoding (`split_groups`), on a GPU; None elsewhere (the groups then run as a
+  rolled `lax.scan`).
 
   A decode step is bound by reading the weights. Sliced out of the stacked parameters by a
   rolled loop, every group's weights are copied each step (one H100, lalte-1.4b B32 after 4K:
@@ -26,16 +28,31 @@ def decode_groups(model) -> tuple | None:
   token), so `generate` splits the groups once, before its loop, and its steps read them as they
   are (its memory grows by one copy of the groups' weights). XLA:CPU copies LTE cache leaves
   when the groups are unrolled, so the CPU keeps the rolled loop.
+
+  Split groups also hold each GDN layer's six input projections as one kernel, so that a decode
+  step reads them in one GEMM a layer instead of six small ones (a step is bound by reading
+  weights and by kernel launches); the fused kernel replaces the six in the copy, it does not add
+  to it.
   """
   return split_groups(model) if jax.default_backend() == "gpu" else None
 
 
 def split_groups(model) -> tuple:
-  """(graphdef, one state per layer group) of `model.groups`: the stacked parameters sliced."""
+  """(graphdef, one state per layer group) of `model.groups`: the stacked parameters sliced, with
+  every GDN layer's input projections fused (`GatedDeltaNet.fuse_decode_projections`), so the
+  groups only decode. The groups share the one graphdef."""
   graphdef, stacked_state = nnx.split(model.groups)
   num_groups = jax.tree.leaves(stacked_state)[0].shape[0]
-  return graphdef, tuple(jax.tree.map(lambda x, g=g: x[g], stacked_state)
-                         for g in range(num_groups))
+  states = []
+  for g in range(num_groups):
+    group = nnx.merge(graphdef, jax.tree.map(lambda x, g=g: x[g], stacked_state))
+    # Listed first: fusing changes the graph that iter_graph walks.
+    gdn_layers = [node for _, node in nnx.iter_graph(group) if isinstance(node, GatedDeltaNet)]
+    for layer in gdn_layers:
+      layer.fuse_decode_projections()
+    prepared_graphdef, state = nnx.split(group)
+    states.append(state)
+  return prepared_graphdef, tuple(states)
 
 
 def _run_groups(model, h_BTD: jax.Array, caches: tuple, ctx: StepContext, mode: str,

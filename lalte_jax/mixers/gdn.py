@@ -7,8 +7,10 @@ with q/k l2-normalised inside the kernel, then a per-head RMSNorm gated by SiLU(
 Decoding carries the cache `GDNCache`: rings of the last `conv_size` conv inputs of q, k and v and
 the float32 recurrent state. `prefill` runs the chunked rule over the prompt and fills the cache;
 `decode` steps one token on the layer group's part of the stacked cache (`GroupSlot` leaves),
-in place. Left pads leave the state unchanged (and give zero conv inputs), so a padded row ends
-in the state of its unpadded prompt.
+in place. A layer prepared by `fuse_decode_projections` (as `inference.stack.split_groups`
+prepares the GPU's layer groups) decodes with its six input projections (q, k, v, g, a, b) as one
+GEMM. Left pads leave the state unchanged (and give zero conv inputs), so a padded row ends in the
+state of its unpadded prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from flax.nnx.nn import dtypes
 
 from lalte_jax.config import ModelConfig
 from lalte_jax.inference import chunking
@@ -29,6 +33,9 @@ from lalte_jax.mixers.projections import input_projection, output_projection
 from lalte_jax.sharding import per_shard
 from pallas_kernels.gated_delta_rule import (ChunkConfig, chunk_gated_delta_rule,
                                              fused_recurrent_gated_delta_rule)
+
+# The input projections, in the order of their columns in `decode_input_kernel`.
+INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")
 
 
 def init_a_log(key: jax.Array, num_heads: int) -> jax.Array:
@@ -72,25 +79,91 @@ class GatedDeltaNet(nnx.Module):
     self.o_norm_weight = nnx.Param(jnp.ones((gdn.value_dim,), jnp.float32))
     self.o_proj = output_projection(config, value_dim, rngs)
 
-  @jax.named_scope("gdn_gates")  # names its kernels in profiles (tools/step_profile.py)
+  # The named scopes name the kernels in profiles (tools/step_profile.py); `gates` and `output`
+  # hold them too, so that their projections count with them.
+  @jax.named_scope("gdn_gates")
   def gates(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(g, beta), each [B, T, H] float32."""
-    beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
-    a_BTH = self.a_proj(x_BTD).astype(jnp.float32)
-    g_BTH = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH + self.dt_bias[...])
+    return self.gates_from(self.a_proj(x_BTD), self.b_proj(x_BTD))
+
+  @jax.named_scope("gdn_gates")
+  def gates_from(self, a_BTH: jax.Array, b_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(g, beta), each [B, T, H] float32, from the projections a_proj x and b_proj x."""
+    beta_BTH = jax.nn.sigmoid(b_BTH.astype(jnp.float32))
+    g_BTH = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH.astype(jnp.float32)
+                                                        + self.dt_bias[...])
     return g_BTH, beta_BTH
 
-  @jax.named_scope("gdn_output")  # names its kernels in profiles (tools/step_profile.py)
+  @jax.named_scope("gdn_output")
   def output(self, o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Array:
     """Gated per-head RMSNorm, then o_proj."""
+    return self.output_from(o_BTHV, self.g_proj(x_BTD))
+
+  @jax.named_scope("gdn_output")
+  def output_from(self, o_BTHV: jax.Array, gate_BTC: jax.Array) -> jax.Array:
+    """Per-head RMSNorm gated by SiLU of the projection g_proj x [B, T, value_dim], then
+    o_proj."""
     gdn = self.config.gdn
-    batch, length = x_BTD.shape[:2]
-    gate_BTHV = self.g_proj(x_BTD).reshape(batch, length, gdn.num_heads, gdn.value_dim)
+    batch, length = gate_BTC.shape[:2]
+    gate_BTHV = gate_BTC.reshape(batch, length, gdn.num_heads, gdn.value_dim)
     gated = gated_rms_norm(o_BTHV, gate_BTHV, self.o_norm_weight[...],
-                           gdn.norm_eps).astype(x_BTD.dtype)
+                           gdn.norm_eps).astype(gate_BTC.dtype)
     return self.o_proj(gated.reshape(batch, length, -1))
 
+  @property
+  def decode_only(self) -> bool:
+    """Whether `fuse_decode_projections` has replaced the input projections by their fused
+    kernel (the layer then only decodes)."""
+    return hasattr(self, "decode_in_kernel")
+
+  def _check_not_decode_only(self, what: str) -> None:
+    if self.decode_only:
+      raise RuntimeError(
+          f"GatedDeltaNet.{what}: this layer was prepared by fuse_decode_projections, which"
+          " replaced its q/k/v/g/a/b projections by one decode_in_kernel, so it only decodes;"
+          f" run {what} on the unprepared layer")
+
+  def input_widths(self) -> tuple[int, ...]:
+    """The output widths of the input projections, in the order of INPUT_PROJECTIONS."""
+    gdn = self.config.gdn
+    key_dim = gdn.num_heads * gdn.head_dim
+    value_dim = gdn.num_heads * gdn.value_dim
+    return key_dim, key_dim, value_dim, value_dim, gdn.num_heads, gdn.num_heads
+
+  def decode_input_kernel(self) -> jax.Array:
+    """[hidden, sum of input_widths()]: the kernels of INPUT_PROJECTIONS side by side, which a
+    decode step of a prepared layer reads in one GEMM (a step is bound by reading weights and by
+    kernel launches). The stored `decode_in_kernel` once `fuse_decode_projections` has run; else
+    concatenated here, a copy of the weights."""
+    if self.decode_only:
+      return self.decode_in_kernel[...]
+    return jnp.concatenate([getattr(self, name).kernel[...] for name in INPUT_PROJECTIONS],
+                           axis=1)
+
+  def fuse_decode_projections(self) -> None:
+    """Prepares the layer for decoding: stores `decode_input_kernel()` as the parameter
+    `decode_in_kernel` and removes the six projections it replaces, so the weights are held once.
+    The prepared layer only decodes (`__call__` and `prefill` raise). Idempotent."""
+    if self.decode_only:
+      return
+    self.decode_in_kernel = nnx.Param(self.decode_input_kernel())
+    for name in INPUT_PROJECTIONS:
+      delattr(self, name)
+
+  def _decode_projections(self, x_B1D: jax.Array) -> jax.Array:
+    """[B, 1, sum of input_widths()]: the token through the input projections, side by side.
+    Prepared, one GEMM with the fused kernel, promoted and contracted as nnx.Linear does;
+    unprepared (the CPU's rolled group scan, single layers), the six projections, which read
+    their kernels where they are: concatenating the kernels there would copy them every step."""
+    if not self.decode_only:
+      return jnp.concatenate([getattr(self, name)(x_B1D) for name in INPUT_PROJECTIONS],
+                             axis=-1)
+    x_B1D, kernel_DN = dtypes.promote_dtype((x_B1D, self.decode_input_kernel()),
+                                            dtype=self.config.compute_dtype)
+    return jax.lax.dot_general(x_B1D, kernel_DN, (((2,), (0,)), ((), ())))
+
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    self._check_not_decode_only("__call__")
     gdn = self.config.gdn
     batch, length = x_BTD.shape[:2]
     heads = (batch, length, gdn.num_heads)
@@ -107,21 +180,22 @@ class GatedDeltaNet(nnx.Module):
     o_BTHV = per_shard(delta_rule, q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)
     return self.output(o_BTHV, x_BTD)
 
-  def _conv_inputs(self, x_BTD: jax.Array, ctx: StepContext) -> tuple[jax.Array, ...]:
-    """The pre-activation q, k, v projections [B, T, C] that the short convs read; zeros at pads,
-    which are exactly the zero padding of an unpadded row."""
+  @staticmethod
+  def _conv_inputs(projected: tuple, ctx: StepContext) -> tuple[jax.Array, ...]:
+    """The pre-activation q, k, v projections [B, T, C] as the short convs read them: zeros at
+    pads, which are exactly the zero padding of an unpadded row."""
     valid_BT1 = ctx.valid_BT[:, :, None]
-    return tuple(jnp.where(valid_BT1, proj(x_BTD), 0)
-                 for proj in (self.q_proj, self.k_proj, self.v_proj))
+    return tuple(jnp.where(valid_BT1, y_BTC, 0) for y_BTC in projected)
 
-  def _rule_inputs(self, x_BTD: jax.Array, convolved: tuple, ctx: StepContext) -> tuple:
-    """q, k, v, g, beta of the gated delta rule from the conv outputs [B, T, C]."""
+  def _rule_inputs(self, convolved: tuple, gates: tuple, ctx: StepContext) -> tuple:
+    """q, k, v, g, beta of the gated delta rule from the conv outputs [B, T, C] and the gates
+    (g, beta) [B, T, H]."""
     gdn = self.config.gdn
-    batch, length = x_BTD.shape[:2]
+    batch, length = convolved[0].shape[:2]
     q_BTHK, k_BTHK, v_BTHV = (
         y_BTC.reshape(batch, length, gdn.num_heads, dim)
         for y_BTC, dim in zip(convolved, (gdn.head_dim, gdn.head_dim, gdn.value_dim)))
-    g_BTH, beta_BTH = self.gates(x_BTD)
+    g_BTH, beta_BTH = gates
     # g = 0 (no decay) and beta = 0 (no write) make a pad an identity step of the recurrence.
     valid_BT1 = ctx.valid_BT[:, :, None]
     return (q_BTHK, k_BTHK, v_BTHV, jnp.where(valid_BT1, g_BTH, 0.0),
@@ -135,6 +209,7 @@ class GatedDeltaNet(nnx.Module):
     chunk (`chunking.chunk_loop`), carrying the recurrent state and the last `conv_size` conv
     inputs, normalising each chunk's h and adding its output in place: the one-piece computation,
     in pieces, with no normalised copy or output of the whole prompt."""
+    self._check_not_decode_only("prefill")
     gdn = self.config.gdn
     batch, length = h_BTD.shape[:2]
     channels = (gdn.num_heads * gdn.head_dim,) * 2 + (gdn.num_heads * gdn.value_dim,)
@@ -163,7 +238,8 @@ class GatedDeltaNet(nnx.Module):
     ((the same after the span), output [B, T, hidden])."""
     gdn = self.config.gdn
     state_BHKV, tails = carry
-    inputs = self._conv_inputs(x_BTD, ctx)
+    inputs = self._conv_inputs((self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)),
+                               ctx)
     convolved = [conv(x_BTC, tail_BRC[:, 1:])
                  for conv, x_BTC, tail_BRC in zip((self.q_conv, self.k_conv, self.v_conv), inputs,
                                                   tails)]
@@ -172,7 +248,7 @@ class GatedDeltaNet(nnx.Module):
     else:
       kernel = functools.partial(chunk_gated_delta_rule,
                                  config=ChunkConfig(chunk_size=gdn.chunk_size))
-    o_BTHV, state_BHKV = kernel(*self._rule_inputs(x_BTD, convolved, ctx),
+    o_BTHV, state_BHKV = kernel(*self._rule_inputs(convolved, self.gates(x_BTD), ctx),
                                 initial_state=state_BHKV, output_final_state=True,
                                 use_qk_l2norm=True, implementation=gdn.implementation)
     tails = tuple(jnp.concatenate([tail_BRC, x_BTC], axis=1)[:, -gdn.conv_size:]
@@ -183,9 +259,13 @@ class GatedDeltaNet(nnx.Module):
              ) -> tuple[jax.Array, GDNCache]:
     """One token per row at padded index ctx.position, on the layer group's part of the stacked
     cache (`GroupSlot` leaves), in place: the token's conv inputs go into the rings' oldest slot,
-    the convs then read the rings, and the recurrent state is stepped in the stacked buffer."""
+    the convs then read the rings, and the recurrent state is stepped in the stacked buffer.
+    A layer prepared by `fuse_decode_projections` runs its input projections as one GEMM."""
     gdn = self.config.gdn
-    inputs = self._conv_inputs(x_B1D, ctx)
+    y_B1N = self._decode_projections(x_B1D)
+    q_B1C, k_B1C, v_B1C, gate_B1C, a_B1H, b_B1H = jnp.split(
+        y_B1N, np.cumsum(self.input_widths())[:-1], axis=-1)
+    inputs = self._conv_inputs((q_B1C, k_B1C, v_B1C), ctx)
     rings = [slot.write(x_B1C, (0, ctx.position % gdn.conv_size))
              for slot, x_B1C in zip((cache.conv_q_BKC, cache.conv_k_BKC, cache.conv_v_BKC),
                                     inputs)]
@@ -196,7 +276,9 @@ class GatedDeltaNet(nnx.Module):
                                               rings)]
     state = cache.state_BHKV
     o_B1HV, stacked_state = fused_recurrent_gated_delta_rule(
-        *self._rule_inputs(x_B1D, convolved, ctx), initial_state=state.stacked,
+        *self._rule_inputs(convolved, self.gates_from(a_B1H, b_B1H), ctx),
+        initial_state=state.stacked,
         output_final_state=True, use_qk_l2norm=True, group=state.group,
         implementation=gdn.implementation)
-    return self.output(o_B1HV, x_B1D), GDNCache(*rings, state.replace(stacked=stacked_state))
+    return (self.output_from(o_B1HV, gate_B1C),
+            GDNCache(*rings, state.replace(stacked=stacked_state)))

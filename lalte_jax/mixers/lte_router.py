@@ -25,7 +25,7 @@ from lalte_jax.config import LTEConfig
 from lalte_jax.layers import initializers
 from lalte_jax.sharding import per_batch_shard
 from pallas_kernels.dispatch import Implementation
-from pallas_kernels.lte_router import counter_hash, router_logits
+from pallas_kernels.lte_router import counter_hash, router_logits, settled_logit
 
 
 def channel_widths(head_dim: int, num_layers: int) -> tuple[int, ...]:
@@ -64,6 +64,18 @@ class LTERouter(nnx.Module):
     """
     with jax.named_scope("lte_router"):  # names the router's kernels in profiles
       return self._scores(k_BTKD, v_BTKD, mask_BT, dropout_key, implementation)
+
+  def settled_scores(self, k_BSKD: jax.Array, v_BSKD: jax.Array, real_BS: jax.Array, *,
+                     implementation: Implementation = None) -> jax.Array:
+    """Scores [B, Hkv] float32 of the centre of a span of 2 margin + 1 pre-RoPE keys and values
+    (real_BS: True at real tokens): what `__call__` gives that token, computed from the positions
+    that reach it only (a decoding step's settled token, §5.4)."""
+    with jax.named_scope("lte_router"):
+      logit_BK = settled_logit(
+          k_BSKD, v_BSKD, real_BS, tuple(w[...].astype(k_BSKD.dtype) for w in self.conv_weights),
+          tuple(b[...] for b in self.conv_biases), self.proj_weight[...], self.proj_bias[...],
+          dilations=self.config.router_dilations, implementation=implementation)
+      return jax.nn.sigmoid(logit_BK) - 0.5
 
   def _scores(self, k_BTKD, v_BTKD, mask_BT, dropout_key, implementation):
     lte = self.config

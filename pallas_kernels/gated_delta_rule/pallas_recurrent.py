@@ -4,7 +4,8 @@ as one Pallas (Triton backend) kernel, for decoding.
 Each program of the grid (B, H, V-blocks) holds its [K, block_v] slice of the float32 state on chip
 and steps through the T tokens:  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
 XLA's version runs one scan step (several small kernels) per token; here a decoding step (T = 1) is
-a single launch. Gradients (rarely needed for decoding) come from the float32 reference recurrence
+a single launch, which also upcasts q, k and v from the caller's dtype, l2-normalises q and k
+(`use_qk_l2norm`) and scales q, so no XLA pass over them precedes it. Gradients (rarely needed for decoding) come from the float32 reference recurrence
 through a custom_vjp, so they are exact rather than unavailable.
 
 The state operand is stacked over layer groups, [G, B, H, K, V], with the group index as an int32
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta_rule.reference import (
-    _prepare_inputs,
+    L2NORM_EPS,
     compute_dtype,
     naive_recurrent_gated_delta_rule,
 )
@@ -55,19 +56,27 @@ class RecurrentConfig:
 
 
 def _recurrent_kernel(group_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, h_final_ref,
-                      *, seq_len, block_v):
+                      *, seq_len, block_v, scale, use_qk_l2norm):
   # h0_ref and h_final_ref are the whole stacked state (aliased); this program owns the
-  # [K, block_v] columns of (group, row, head).
+  # [K, block_v] columns of (group, row, head). q, k and v arrive in the caller's dtype: the
+  # float32 upcast, q and k's l2 normalisation and q's scale happen here (reference
+  # _prepare_inputs), so a decoding step runs no XLA pass over them before the kernel.
   state_at = (group_ref[0], pl.program_id(0), pl.program_id(1), slice(None),
               pl.ds(pl.program_id(2) * block_v, block_v))
 
+  def prepared(ref, token):
+    x_1K = ref[token, :].astype(jnp.float32)
+    if use_qk_l2norm:
+      x_1K = x_1K * jax.lax.rsqrt(jnp.sum(x_1K * x_1K, axis=1, keepdims=True) + L2NORM_EPS)
+    return x_1K
+
   def step(t, h_KV):
     token = pl.ds(t, 1)
-    q_1K = q_ref[token, :]
-    k_K1 = k_ref[token, :].T
+    q_1K = prepared(q_ref, token) * scale
+    k_K1 = prepared(k_ref, token).T
     h_KV = jnp.exp(g_ref[t]) * h_KV
     predicted_1V = jnp.sum(k_K1 * h_KV, axis=0, keepdims=True)
-    update_1V = beta_ref[t] * (v_ref[token, :] - predicted_1V)
+    update_1V = beta_ref[t] * (v_ref[token, :].astype(jnp.float32) - predicted_1V)
     h_KV = h_KV + k_K1 * update_1V
     o_ref[token, :] = jnp.sum(q_1K.T * h_KV, axis=0, keepdims=True).astype(o_ref.dtype)
     return h_KV
@@ -81,8 +90,10 @@ def _padded_dims(key_dim: int, value_dim: int) -> tuple[int, int]:
 
 def _forward(q, k, v, g, beta, state_GBHKV, group, scale, use_qk_l2norm, config):
   """(o [B, T, H, V], the stacked final state) for a stacked state of power-of-two K and V."""
-  q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, _ = _prepare_inputs(
-      q, k, v, g, beta, None, scale, use_qk_l2norm)
+  q_BTHK, k_BTHK, v_BTHV = q, k, v  # prepared inside the kernel
+  g_BTH, beta_BTH = g.astype(jnp.float32), beta.astype(jnp.float32)
+  if scale is None:
+    scale = q.shape[-1] ** -0.5
   batch, seq_len, heads, key_dim = q_BTHK.shape
   value_dim = v_BTHV.shape[-1]
   padded_k, padded_v = state_GBHKV.shape[-2:]
@@ -94,7 +105,8 @@ def _forward(q, k, v, g, beta, state_GBHKV, group, scale, use_qk_l2norm, config)
   token_spec = lambda width, index: pl.BlockSpec((None, seq_len, None, width), index)
   gate_spec = pl.BlockSpec((None, None, seq_len), lambda b, h, j: (b, h, 0))
   o_BTHV, final_state_GBHKV = pl.pallas_call(
-      functools.partial(_recurrent_kernel, seq_len=seq_len, block_v=block_v),
+      functools.partial(_recurrent_kernel, seq_len=seq_len, block_v=block_v, scale=float(scale),
+                        use_qk_l2norm=use_qk_l2norm),
       grid=(batch, heads, padded_v // block_v),
       in_specs=[pl.no_block_spec,
                 token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),

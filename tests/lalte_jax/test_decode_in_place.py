@@ -62,11 +62,16 @@ def _by_shape(shapes_by_name: dict) -> dict:
 
 def weight_shapes(model) -> dict:
   """{shape: parameter path} of the weight matrices (2+ dims, 4096+ elements), stacked [G, ...]
-  and per group: a buffer of such a shape inside the decode loop is a copy of a weight."""
-  return _by_shape({jax.tree_util.keystr(path): tuple(leaf.shape)
-                    for path, leaf in jax.tree_util.tree_leaves_with_path(
-                        nnx.state(model, nnx.Param))
-                    if leaf.ndim >= 2 and leaf.size >= 4096})
+  and per group, and of the groups prepared for decoding (`stack.split_groups`: the GDN layers'
+  fused input kernels): a buffer of such a shape inside the decode loop is a copy of a weight."""
+  def matrices(state) -> dict:
+    return {jax.tree_util.keystr(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+            if leaf.ndim >= 2 and leaf.size >= 4096}
+
+  _, group_states = jax.eval_shape(lambda: stack.split_groups(model))
+  split = {shape: f"split group {name}" for name, shape in matrices(group_states[0]).items()}
+  return {**split, **_by_shape(matrices(nnx.state(model, nnx.Param)))}
 
 
 def leaf_shapes(cache) -> dict:
@@ -241,15 +246,20 @@ def test_generate_with_split_groups_copies_no_weight_in_its_loop(monkeypatch, fr
 
 
 def test_split_groups_decode_as_the_rolled_loop():
-  """decode_impl over groups split by `split_groups` (one after another) gives the rolled scan's
-  logits and cache (laLTE: a GDN and an LTE block per group)."""
+  """decode_impl over groups split by `split_groups` (one after another, the GDN layers' input
+  projections fused into one kernel) gives the rolled scan's logits and cache (laLTE: a GDN and
+  an LTE block per group)."""
   model = HybridLM(get_model_config("lalte-tiny"), rngs=nnx.Rngs(0))
+  graphdef, group_states = stack.split_groups(model)
+  for group_state in group_states:
+    gdn_mixer = nnx.merge(graphdef, group_state).blocks[0].mixer
+    assert gdn_mixer.decode_only and not hasattr(gdn_mixer, "q_proj")
   cache = caches.build_cache(model.config, 2, 32, None)
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
   _, cache = stack.prefill_impl(model, prompt, jnp.ones((2, 7), bool), cache, False)
   token_B = jnp.asarray([3, 5], jnp.int32)
   rolled = stack.decode_impl(model, token_B, cache, None)
-  split = stack.decode_impl(model, token_B, cache, stack.split_groups(model))
+  split = stack.decode_impl(model, token_B, cache, (graphdef, group_states))
   for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(rolled)):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-5, atol=1e-5)

@@ -147,6 +147,32 @@ def test_decode_step_fn_matches_decode_step_and_shares_its_compile():
   assert gen.TRACE_COUNTS["decode"] == before
 
 
+def test_decode_step_fn_prepares_split_groups_once_outside_its_step(monkeypatch):
+  """The GPU's way (layer groups split and their GDN projections fused, `stack.decode_groups`),
+  on the CPU: decode_step_fn prepares the groups once, eagerly, not inside the jitted step (where
+  every step would fuse the weights again), and its steps give decode_step's logits."""
+  model = tiny_model("gdn_swa", init_std=0.2)
+  tokens = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+  logits, cache = gen.prefill(model, tokens, gen.init_cache(model, 2))
+  token = jnp.argmax(logits, -1).astype(jnp.int32)
+  want, _ = gen.decode_step(model, token, cache)
+  traced = []
+
+  def split_groups(model):
+    traced.append(isinstance(jax.tree.leaves(nnx.state(model))[0], jax.core.Tracer))
+    return stack.split_groups(model)
+
+  monkeypatch.setattr(stack, "decode_groups", split_groups)
+  step = gen.decode_step_fn(model)
+  got, cache = step(token, gen.prefill(model, tokens, gen.init_cache(model, 2))[1])
+  _, cache = step(token, cache)
+  assert traced == [False]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  before = gen.TRACE_COUNTS["decode"]
+  gen.decode_step_fn(model)(token, cache)  # groups split again, the same graphdef: no new compile
+  assert gen.TRACE_COUNTS["decode"] == before
+
+
 def test_top_k_and_top_p_keep_the_documented_tokens():
   """Probabilities 0.5, 0.25, 0.15, 0.1: top-p keeps the smallest top set whose mass reaches p
   (0.7 -> two tokens, 0.8 -> three), top-k 2 the two largest; samples never leave the kept set."""

@@ -165,6 +165,10 @@ class ValueReadingRouter(nnx.Module):
     del k_BTKD, mask_BT, dropout_key
     return v_BTKD[..., 0].astype(jnp.float32)
 
+  def settled_scores(self, k_BSKD, v_BSKD, real_BS):
+    """The span's centre, as `LTERouter.settled_scores` (a decoding step's settled token)."""
+    return self(k_BSKD, v_BSKD, mask_BT=real_BS)[:, k_BSKD.shape[1] // 2]
+
 
 def simulate_kept_sets(score_BTK, real_BT, prefix, window_keys, cap, num_sinks):
   """§5.2-5.3 by brute force on explicit scores: the OOW position sets after the prefill and after

@@ -125,6 +125,21 @@ def test_fused_recurrent_pallas_matches_float64_recurrence_and_decodes():
   assert_close(jnp.concatenate(outputs, axis=1), expected[0][:, :3], jnp.float32, name="decoded o")
 
 
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_fused_recurrent_pallas_prepares_bf16_inputs_in_the_kernel(use_qk_l2norm):
+  """bf16 q, k, v (as a decoding step passes them) upcast, l2-normalised and scaled inside the
+  kernel: the float64 recurrence of the same bf16 values, with and without the normalisation
+  and with an explicit scale."""
+  inputs = round_to(make_inputs(127, seq_len=5, key_dim=32, value_dim=32,
+                                normalized_keys=not use_qk_l2norm), jnp.bfloat16)
+  kwargs = dict(use_qk_l2norm=use_qk_l2norm, scale=0.3)
+  actual = run(lambda *a, **kw: fused_recurrent_gated_delta_rule(*a, implementation="pallas",
+                                                                 **kw),
+               inputs, jnp.bfloat16, with_state=True, **kwargs)
+  expected = run_reference(inputs, with_state=True, **kwargs)
+  compare(actual, expected, jnp.bfloat16, f"pallas fused_recurrent bf16 l2norm={use_qk_l2norm}")
+
+
 def test_unsupported_inputs_raise():
   inputs = make_inputs(124, seq_len=5)
   args = [jnp.asarray(inputs[n], jnp.float32) for n in ARG_NAMES[:5]]

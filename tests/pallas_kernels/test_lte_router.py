@@ -18,7 +18,7 @@ from jax.extend import core as jax_core
 from lalte_jax.mixers.lte_router import LTERouter
 from lalte_jax.model import REMAT_CHECKPOINT_POLICIES
 from lalte_jax.presets import get_model_config
-from pallas_kernels.lte_router import counter_hash, router_logits
+from pallas_kernels.lte_router import counter_hash, router_logits, settled, settled_logit
 from tests.kernel_testing import assert_close, float64
 
 HEADS, BATCH, HEAD_DIM = 2, 2, 64
@@ -228,3 +228,63 @@ def test_remat_policy_attention_recomputes_no_router_convolution():
     return _dot_count(jax.make_jaxpr(grad)(params, k_BTKD, k_BTKD).jaxpr)
 
   assert dots("attention") == dots("block") - len(lte.router_kernel_sizes) - 1
+
+
+# The settled token's logit (decoding): one span of 2 m + 1 tokens, m the receptive half-width.
+
+def _span_inputs(batch, taps, dilations, *, seed=3):
+  span = 2 * settled.receptive_half_width(taps, dilations) + 1
+  args, _, _ = _inputs(span, taps, seed=seed)
+  rng = np.random.default_rng(seed)
+  k, v = (rng.standard_normal((batch, span, HEADS, HEAD_DIM)) for _ in range(2))
+  # Blanks lead some rows (a ring not yet full, or a row's left padding).
+  real = np.arange(span)[None, :] >= rng.integers(0, span // 2 + 1, size=(batch, 1))
+  return k, v, real, args[2:]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch, taps, dilations", [
+    (3, (3, 3, 3), (2, 2, 2)), (19, (3, 5, 1), (1, 2, 3)), (2, (1,), (1,))])
+def test_settled_logit_is_the_centre_of_the_masked_router(dtype, batch, taps, dilations):
+  """The span's centre against the float64 router over the whole span with its padding mask;
+  three CNN shapes, a context-free router (span 1) among them."""
+  k, v, real, params = _span_inputs(batch, taps, dilations)
+  centre = k.shape[1] // 2
+  with float64():
+    want = router_logits(jnp.asarray(k), jnp.asarray(v),
+                         *(jax.tree.map(jnp.asarray, p) for p in params), None,
+                         dilations=dilations, rate=0.0, mask_BT=jnp.asarray(real),
+                         implementation="xla")[:, centre]
+  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p) for p in params]
+  got = settled_logit(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(real),
+                      *params, dilations=dilations)
+  assert got.shape == (batch, HEADS) and got.dtype == jnp.float32
+  assert_close(got, want, dtype, factor=2.0 if dtype == jnp.bfloat16 else 1.0, name="logit")
+
+
+def test_settled_logit_reads_no_other_row_and_no_position_the_centre_does_not_need():
+  """NaN in row 1, and in row 0 at the span positions the centre does not read (the odd ones,
+  for dilation 2 everywhere): the other rows' logits and row 0's are unchanged."""
+  taps, dilations = (3, 3, 3), (2, 2, 2)
+  k, v, real, params = _span_inputs(4, taps, dilations)
+  params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p) for p in params]
+  run = lambda k, v: np.asarray(settled_logit(
+      jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), jnp.asarray(real), *params,
+      dilations=dilations))
+  k_poisoned, v_poisoned = k.copy(), v.copy()
+  k_poisoned[1], v_poisoned[1] = np.nan, np.nan
+  k_poisoned[0, 1::2], v_poisoned[0, 1::2] = np.nan, np.nan
+  poisoned, clean = run(k_poisoned, v_poisoned), run(k, v)
+  np.testing.assert_array_equal(poisoned[[0, 2, 3]], clean[[0, 2, 3]])
+  assert np.isnan(poisoned[1]).all()
+
+
+def test_settled_logit_refuses_a_span_that_is_not_the_receptive_field():
+  k, v, real, params = _span_inputs(2, (3, 3, 3), (2, 2, 2))
+  params = [jax.tree.map(jnp.asarray, p) for p in params]
+  with pytest.raises(ValueError, match=r"\[B, 13, K, D\]"):
+    settled_logit(jnp.asarray(k[:, 1:]), jnp.asarray(v[:, 1:]), jnp.asarray(real[:, 1:]),
+                  *params, dilations=(2, 2, 2))
+  with pytest.raises(NotImplementedError, match="pallas"):
+    settled_logit(jnp.asarray(k), jnp.asarray(v), jnp.asarray(real), *params,
+                  dilations=(2, 2, 2), implementation="pallas")
