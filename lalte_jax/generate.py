@@ -68,9 +68,9 @@ def _prefill_jit(graphdef, state, tokens_BT, valid_BT, cache, *, all_logits, chu
 DECODE_COMPILER_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
 
 
-def _decode(graphdef, state, token_B, cache, groups=None):
+def _decode(graphdef, state, token_B, cache):
   TRACE_COUNTS["decode"] += 1
-  return stack.decode_impl(nnx.merge(graphdef, state), token_B, cache, groups)
+  return stack.decode_impl(nnx.merge(graphdef, state), token_B, cache)
 
 
 def _jit_decode(compiler_options: dict):
@@ -167,16 +167,14 @@ def decode_step_fn(model, compiler_options: dict | None = None):
   `step.lower(token_B, cache)` lowers it (e.g. for the compiled HLO) without running it.
   compiler_options: XLA options that replace or add to DECODE_COMPILER_OPTIONS for this step
   (e.g. {"xla_gpu_graph_min_graph_size": 5} to measure XLA's default), compiled separately.
-  On a GPU the layer groups are split and prepared for decoding here, once
-  (`stack.decode_groups`), as `generate` does before its loop, not in every step; the step holds
-  them besides the model (one more copy of the groups' weights)."""
-  graphdef, state = nnx.split(model)
+  The step runs a copy of the model prepared for decoding once, here
+  (`stack.prepared_for_decoding`: the GDN layers' input projections fused, as `generate` does
+  before its loop), not in every step."""
+  graphdef, state = nnx.split(stack.prepared_for_decoding(model))
   options = {**DECODE_COMPILER_OPTIONS, **(compiler_options or {})}
-  groups = stack.decode_groups(model)
-  groups_graphdef, groups_states = groups if groups is not None else (None, None)
-  jitted = _decode_step_closure(graphdef, groups_graphdef, tuple(sorted(options.items())))
-  step = functools.partial(jitted, state, groups_states)
-  step.lower = functools.partial(jitted.lower, state, groups_states)
+  jitted = _decode_step_closure(graphdef, tuple(sorted(options.items())))
+  step = functools.partial(jitted, state)
+  step.lower = functools.partial(jitted.lower, state)
   return step
 
 
@@ -185,15 +183,10 @@ def decode_step_fn(model, compiler_options: dict | None = None):
 # time per call (a step that does nothing: 0.41 ms per call with it static, 0.10 ms closed over;
 # 2-core CPU, jax 0.10.2, 2026-11-28), against a batch-1 GPU step of a few ms. Cached per graph
 # definition and options, so that steps of one model at several contexts share their compiles.
-# `groups_graphdef`: that of the groups split by `stack.decode_groups`, whose states the step
-# takes; None: no split groups (the rolled group scan).
 @functools.lru_cache(maxsize=8)
-def _decode_step_closure(graphdef, groups_graphdef, options: tuple):
-  def step(state, groups_states, token_B, cache):
-    groups = None if groups_graphdef is None else (groups_graphdef, groups_states)
-    return _decode(graphdef, state, token_B, cache, groups)
-
-  return jax.jit(step, donate_argnums=(3,), compiler_options=dict(options))
+def _decode_step_closure(graphdef, options: tuple):
+  return jax.jit(lambda state, token_B, cache: _decode(graphdef, state, token_B, cache),
+                 donate_argnums=(2,), compiler_options=dict(options))
 
 
 @flax.struct.dataclass

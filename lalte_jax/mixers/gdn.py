@@ -137,8 +137,9 @@ class GatedDeltaNet(nnx.Module):
     concatenated here, a copy of the weights."""
     if self.decode_only:
       return self.decode_in_kernel[...]
+    # The last axis: a model's layer groups hold their kernels stacked, [groups, hidden, width].
     return jnp.concatenate([getattr(self, name).kernel[...] for name in INPUT_PROJECTIONS],
-                           axis=1)
+                           axis=-1)
 
   def fuse_decode_projections(self) -> None:
     """Prepares the layer for decoding: stores `decode_input_kernel()` as the parameter
