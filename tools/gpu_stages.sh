@@ -67,6 +67,8 @@
 #              budget; ~9 min without compile: FLA autotunes its kernels for ~4 min first)
 #   serving    prefill and decode of the 1.4b presets against the decode step's bytes bound
 #              (tools/bench_serving.py; SERVING_ARGS selects; ~5 min)
+#   decodegemm the decode step's GEMMs under XLA's GEMM backends (Triton fusions, cuBLAS, cuBLASLt):
+#              `generate` of lalte-1.4b B32 after 4K with each (DECODEGEMM_ARGS to change; ~6 min)
 #   genloop    generate's loop against pipelined decode steps: the GPU test that the loop copies no
 #              cache and no weight, and the loop's GPU time per token by op class (~4 min)
 #   flaprefill the prefill table (1.4b at 4K) with FLA's rows (~6 min, FLA autotunes)
@@ -89,7 +91,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -105,7 +107,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -411,6 +413,30 @@ SUMMARY
       step 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" "${serving[@]}" \
         --json "$dest/serving_${name}_$(date +%s).json"
     done
+    ;;
+  decodegemm)
+    # The decode step's GEMMs (M = the batch's rows) under XLA's GEMM backends: its autotuned
+    # Triton GEMM fusions (default), cuBLAS, cuBLASLt, then the default again; lalte-1.4b at 32
+    # rows after a 4K prompt (DECODEGEMM_ARGS: other bench_serving arguments). At 3e6acc3-184b9a1
+    # the GEMMs ran at 1.9-3.3 TB/s against a 3.2 TB/s copy (o_proj's the slowest), 1.17 ms of
+    # GPU time a step for 0.81 ms of weight bytes.
+    read -r -a serving <<<"${DECODEGEMM_ARGS:---presets lalte-1.4b --batches 32 --prompts 4096 --steps 10 --warmup 3 --prefill-iters 1 --generate 129 256}"
+    for flags in "" --xla_gpu_enable_triton_gemm=false \
+        "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true" ""; do
+      name=${flags:-default}; name=${name//--xla_gpu_/}; name=${name// /_}; name=${name//=/-}
+      step 140 env XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 tools/bench_serving.py "${serving[@]}" \
+        --json "$dest/serving_${name}_$(date +%s%N).json"
+    done
+    python3 - "$dest" <<'SUMMARY' | tee -a "$log"
+import json, pathlib, sys
+print("| XLA flags | model | batch | generate ms / token | pipelined ms / step | bound ms |")
+print("|---|---|---:|---:|---:|---:|")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("serving_*.json"), key=lambda p: p.stat().st_mtime):
+  for row in json.loads(path.read_text())["rows"]:
+    print(f"| {path.stem.split('_', 1)[1].rsplit('_', 1)[0]} | {row['model']} | {row['batch']} |"
+          f" {row.get('generate_ms_per_token')} | {row.get('decode_pipelined_ms')} |"
+          f" {row.get('bound_ms')} |")
+SUMMARY
     ;;
   genloop)
     # Where `generate`'s loop spends more per step than decode steps sent back to back: the GPU
