@@ -30,7 +30,11 @@ absolute times of these sub-millisecond calls moved by 15% between machines, 202
   inputs contracted in one matmul instead (`shifted_inputs_conv`), as it did before 2026-11-29
   (the taps in float32), and in the reference model's form, one grouped convolution (groups =
   Hkv) over token-major activations (cuDNN on GPUs).
-Prints one JSON line per row and a markdown table; `--json PATH` writes them.
+Prints one JSON line per row and a markdown table; `--json PATH` writes them. `--profile` then
+traces `--profile_steps` calls of the router's fwd+bwd as the training step runs it (every
+activation kept: Pallas where the kernels take the preset's widths, and XLA; else the group's
+first row) and adds their GPU time by kernel (tools/step_profile.py) to those rows ("profile"),
+printed as a table each: which of the router's kernels take its time.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ from pallas_kernels.lte_router import reference as router_reference
 from lalte_jax.mixers.lte_router import LTERouter, channel_widths
 from lalte_jax.presets import get_model_config
 from pallas_kernels.benchmarking import Timed, paired_ms
+
+import step_profile  # tools/step_profile.py
+
+# The rows `--profile` traces: the training step's router (remat "none" keeps every activation).
+PROFILED_ROWS = ("router fwd+bwd, dropout, Pallas, everything kept",
+                 "router fwd+bwd, dropout, XLA, everything kept")
 
 
 def hashed_dropout(x_KBTC, rate, key):
@@ -160,7 +170,8 @@ def paired_group(preset: str, group: list[tuple[str, Timed]], repeats: int) -> l
            "vs_first": 1.0}] + rows
 
 
-def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dict]:
+def router_rows(preset: str, batch: int, seq_len: int, repeats: int,
+                profile_steps: int = 0) -> list[dict]:
   lte = get_model_config(preset).lte
   router = LTERouter(lte, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(router)
@@ -169,7 +180,7 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
   k_BTKD, v_BTKD = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(kv_key))
 
-  rows, group = [], []
+  rows, group, grads = [], [], {}
   keep_activations = jax.checkpoint_policies.save_only_these_names(ROUTER_ACTIVATION)
   every = lambda _, *args, **kwargs: True  # remat "none": the step keeps every activation
   groups = [[("router fwd+bwd, dropout, XLA", "xla", dropout_key, keep_activations),
@@ -189,9 +200,17 @@ def router_rows(preset: str, batch: int, seq_len: int, repeats: int) -> list[dic
         return jnp.sum(nnx.merge(graphdef, params)(k, v, dropout_key=key,
                                                    implementation=implementation))
       grad = jax.jit(jax.grad(jax.checkpoint(score_sum, policy=policy), argnums=(0, 1, 2)))
+      grads[name] = grad
       group.append((name, Timed(grad, [(params, k_BTKD, v_BTKD)])))
     rows += paired_group(preset, group, repeats)
     group = []
+  if profile_steps:
+    profiled = [r for r in rows if r["row"] in PROFILED_ROWS] or rows[:1]
+    for row in profiled:
+      grad = grads[row["row"]]
+      hlo_text = grad.lower(params, k_BTKD, v_BTKD).compile().as_text()
+      row["profile"], _ = step_profile.profile_step(
+          lambda _: grad(params, k_BTKD, v_BTKD), None, hlo_text, steps=profile_steps)
   widths = channel_widths(lte.head_dim, len(lte.router_kernel_sizes))[:-1]
   activations = [jnp.ones((lte.num_kv_heads, batch, seq_len, width), jnp.bfloat16)
                  for width in widths]
@@ -237,15 +256,25 @@ def main(argv=None) -> int:
   parser.add_argument("--seq_len", type=int, default=4096)
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--json", default="", help="also write the rows here")
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace the training step's router rows and break their GPU time"
+                           " down by kernel (tools/step_profile.py)")
+  parser.add_argument("--profile_steps", type=int, default=10, help="calls traced by --profile")
   args = parser.parse_args(argv)
-  if args.batch < 1 or args.seq_len < 1 or args.repeats < 1:
-    parser.error("--batch, --seq_len and --repeats must be >= 1")
+  if args.batch < 1 or args.seq_len < 1 or args.repeats < 1 or args.profile_steps < 1:
+    parser.error("--batch, --seq_len, --repeats and --profile_steps must be >= 1")
   rows = [row for preset in args.presets
-          for row in router_rows(preset, args.batch, args.seq_len, args.repeats)]
+          for row in router_rows(preset, args.batch, args.seq_len, args.repeats,
+                                 args.profile_steps if args.profile else 0)]
   print("| preset | B x T | row | ms | / first of its group |\n|---|---|---|---:|---:|")
   for row in rows:
     print(f"| {row['preset']} | {row['batch']} x {row['seq_len']} | {row['row']} |"
           f" {row['ms']:.3f} | {row['vs_first']:.2f} |")
+  for row in rows:
+    if "profile" in row:
+      print("\n" + step_profile.markdown(
+          row["profile"], f"{row['preset']} {row['row']}: B {row['batch']}, T {row['seq_len']},"
+          f" {row['device']}"))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
   return 0

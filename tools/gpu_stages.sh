@@ -67,6 +67,8 @@
 #              budget; ~9 min without compile: FLA autotunes its kernels for ~4 min first)
 #   serving    prefill and decode of the 1.4b presets against the decode step's bytes bound
 #              (tools/bench_serving.py; SERVING_ARGS selects; ~5 min)
+#   routerprofile the LTE router's fwd+bwd at lalte-0.4b, 8 sequences: its variants, then its GPU
+#              time by kernel as the training step runs it (bench_router --profile; ~3 min)
 #   decodegemm the decode step's GEMMs under XLA's GEMM backends (Triton fusions, cuBLAS, cuBLASLt):
 #              `generate` of lalte-1.4b B32 after 4K with each (DECODEGEMM_ARGS to change; ~6 min)
 #   genloop    generate's loop against pipelined decode steps: the GPU test that the loop copies no
@@ -91,7 +93,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -107,7 +109,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -413,6 +415,13 @@ SUMMARY
       step 150 env XLA_FLAGS="${XLA_FLAGS:-} $flags" "${serving[@]}" \
         --json "$dest/serving_${name}_$(date +%s).json"
     done
+    ;;
+  routerprofile)
+    # Which kernels take the LTE router's time in the training step: its variants timed at the
+    # lalte-0.4b shapes with 8 sequences, then the Pallas and XLA forms with every activation
+    # kept (the step's remat "none") traced by kernel (bench_router --profile).
+    step 300 python3 tools/bench_router.py --presets lalte-0.4b --batch 8 --profile \
+      --json "$dest/router_profile.json"
     ;;
   decodegemm)
     # The decode step's GEMMs (M = the batch's rows) under XLA's GEMM backends: its autotuned

@@ -30,6 +30,22 @@ def test_tiny_preset_rows_and_json(tmp_path, capsys):
   assert "| lalte-tiny | 1 x 32 | masks, hashed (ours) |" in capsys.readouterr().out
 
 
+def test_profile_breaks_the_training_steps_router_down_by_kernel(tmp_path, capsys):
+  """At a tiny preset (no Pallas rows) the group's first row is traced: the CPU's XLA thunks."""
+  bench = load_tool("bench_router")
+  output = tmp_path / "router.json"
+  assert bench.main(["--presets", "lalte-tiny", "--batch", "1", "--seq_len", "32",
+                     "--repeats", "1", "--profile", "--profile_steps", "2",
+                     "--json", str(output)]) == 0
+  rows = json.loads(output.read_text())
+  profiled = [r for r in rows if "profile" in r]
+  assert [r["row"] for r in profiled] == ["router fwd+bwd, dropout, XLA"]
+  profile = profiled[0]["profile"]
+  assert profile["steps"] == 2 and profile["kernel_ms"] > 0
+  assert {"matmul"} <= {row["class"] for row in profile["classes"]}
+  assert "#### lalte-tiny router fwd+bwd, dropout, XLA: B 1, T 32" in capsys.readouterr().out
+
+
 def test_the_compared_conv_forms_equal_the_router_conv():
   bench = load_tool("bench_router")
   h_KBTC = jax.random.normal(jax.random.key(0), (3, 2, 40, 16))
