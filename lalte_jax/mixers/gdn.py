@@ -151,17 +151,18 @@ class GatedDeltaNet(nnx.Module):
     for name in INPUT_PROJECTIONS:
       delattr(self, name)
 
-  def _decode_projections(self, x_B1D: jax.Array) -> jax.Array:
-    """[B, 1, sum of input_widths()]: the token through the input projections, side by side.
-    Prepared, one GEMM with the fused kernel, promoted and contracted as nnx.Linear does;
-    unprepared (the CPU's rolled group scan, single layers), the six projections, which read
-    their kernels where they are: concatenating the kernels there would copy them every step."""
+  def _decode_projections(self, x_B1D: jax.Array) -> tuple[jax.Array, ...]:
+    """The token through each input projection, [B, 1, width] in the order of INPUT_PROJECTIONS.
+    Prepared, one GEMM with the fused kernel, promoted and contracted as nnx.Linear does, then
+    split; unprepared (the CPU's rolled group scan, single layers), the six projections, which
+    read their kernels where they are: concatenating the kernels there would copy them every
+    step."""
     if not self.decode_only:
-      return jnp.concatenate([getattr(self, name)(x_B1D) for name in INPUT_PROJECTIONS],
-                             axis=-1)
+      return tuple(getattr(self, name)(x_B1D) for name in INPUT_PROJECTIONS)
     x_B1D, kernel_DN = dtypes.promote_dtype((x_B1D, self.decode_input_kernel()),
                                             dtype=self.config.compute_dtype)
-    return jax.lax.dot_general(x_B1D, kernel_DN, (((2,), (0,)), ((), ())))
+    y_B1N = jax.lax.dot_general(x_B1D, kernel_DN, (((2,), (0,)), ((), ())))
+    return tuple(jnp.split(y_B1N, np.cumsum(self.input_widths())[:-1], axis=-1))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     self._check_not_decode_only("__call__")
@@ -263,9 +264,7 @@ class GatedDeltaNet(nnx.Module):
     the convs then read the rings, and the recurrent state is stepped in the stacked buffer.
     A layer prepared by `fuse_decode_projections` runs its input projections as one GEMM."""
     gdn = self.config.gdn
-    y_B1N = self._decode_projections(x_B1D)
-    q_B1C, k_B1C, v_B1C, gate_B1C, a_B1H, b_B1H = jnp.split(
-        y_B1N, np.cumsum(self.input_widths())[:-1], axis=-1)
+    q_B1C, k_B1C, v_B1C, gate_B1C, a_B1H, b_B1H = self._decode_projections(x_B1D)
     inputs = self._conv_inputs((q_B1C, k_B1C, v_B1C), ctx)
     rings = [slot.write(x_B1C, (0, ctx.position % gdn.conv_size))
              for slot, x_B1C in zip((cache.conv_q_BKC, cache.conv_k_BKC, cache.conv_v_BKC),

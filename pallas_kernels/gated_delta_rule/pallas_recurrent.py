@@ -90,18 +90,18 @@ def _padded_dims(key_dim: int, value_dim: int) -> tuple[int, int]:
 
 def _forward(q, k, v, g, beta, state_GBHKV, group, scale, use_qk_l2norm, config):
   """(o [B, T, H, V], the stacked final state) for a stacked state of power-of-two K and V."""
-  q_BTHK, k_BTHK, v_BTHV = q, k, v  # prepared inside the kernel
+  # q, k and v go in as they come: the kernel upcasts, normalises and scales them.
   g_BTH, beta_BTH = g.astype(jnp.float32), beta.astype(jnp.float32)
   if scale is None:
     scale = q.shape[-1] ** -0.5
-  batch, seq_len, heads, key_dim = q_BTHK.shape
-  value_dim = v_BTHV.shape[-1]
+  batch, seq_len, heads, key_dim = q.shape
+  value_dim = v.shape[-1]
   padded_k, padded_v = state_GBHKV.shape[-2:]
   block_v = min(config.block_v, padded_v)
   pad_last = lambda x, width: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
-  q_BTHK = pad_last(q_BTHK, padded_k)
-  k_BTHK = pad_last(k_BTHK, padded_k)
-  v_BTHV = pad_last(v_BTHV, padded_v)
+  q_BTHK = pad_last(q, padded_k)
+  k_BTHK = pad_last(k, padded_k)
+  v_BTHV = pad_last(v, padded_v)
   token_spec = lambda width, index: pl.BlockSpec((None, seq_len, None, width), index)
   gate_spec = pl.BlockSpec((None, None, seq_len), lambda b, h, j: (b, h, 0))
   o_BTHV, final_state_GBHKV = pl.pallas_call(

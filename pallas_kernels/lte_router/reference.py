@@ -38,18 +38,22 @@ def dropped(x_KBTC: jax.Array, seed: jax.Array | None, rate: float, row_offset=0
 
 
 def head_conv(x_KBTC: jax.Array, weight_KICO: jax.Array, bias_KO: jax.Array, *,
-              dilation: int) -> jax.Array:
+              dilation: int, valid: bool = False) -> jax.Array:
   """conv(x) + bias in x's dtype, [K, B, T, O]: the float32 sum of the taps rounded to x's dtype,
-  then the bias added in that dtype."""
+  then the bias added in that dtype. `valid`: only the T - 2 half outputs whose taps all lie in
+  x (no padding), [K, B, T - 2 half, O]."""
   dtype = x_KBTC.dtype
   heads, batch, length, _ = x_KBTC.shape
   kernel_size, c_out = weight_KICO.shape[1], weight_KICO.shape[3]
   y_KBTIO = jnp.einsum("kbtc,kico->kbtio", x_KBTC, weight_KICO.astype(dtype))
   half = (kernel_size // 2) * dilation
-  padded_KBTIO = jnp.pad(y_KBTIO, ((0, 0), (0, 0), (half, half), (0, 0), (0, 0)))
+  if valid:
+    length -= 2 * half
+  else:
+    y_KBTIO = jnp.pad(y_KBTIO, ((0, 0), (0, 0), (half, half), (0, 0), (0, 0)))
   out_KBTO = jnp.zeros((heads, batch, length, c_out), jnp.float32)
   for i in range(kernel_size):  # out[t] = sum_i y_i[t + i * dilation - half]
-    out_KBTO = out_KBTO + padded_KBTIO[:, :, i * dilation:i * dilation + length, i].astype(
+    out_KBTO = out_KBTO + y_KBTIO[:, :, i * dilation:i * dilation + length, i].astype(
         jnp.float32)
   return out_KBTO.astype(dtype) + bias_KO.astype(dtype)[:, None, None, :]
 
