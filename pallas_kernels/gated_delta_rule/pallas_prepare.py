@@ -46,6 +46,7 @@ from pallas_kernels.gated_delta_rule.pallas_prepare_kernels import (
     wy_backward_kernel,
     wy_kernel,
 )
+from pallas_kernels.gated_delta_rule.reference import query_scale
 from pallas_kernels.gated_delta_rule.xla_prepare import uses_exact_matmuls
 from pallas_kernels.pallas_common import (
     check_launch_fields, interpret_mode, next_power_of_two, triton_compiler_params)
@@ -185,7 +186,7 @@ class _Layout:
   def of(cls, q, v, scale, chunk_size):
     key_dim = q.shape[3]
     return cls(seq_len=q.shape[1], chunk_size=chunk_size, key_dim=key_dim, value_dim=v.shape[3],
-               scale=float(key_dim ** -0.5 if scale is None else scale))
+               scale=query_scale(scale, key_dim))
 
   @property
   def padded_k(self):

@@ -5,8 +5,9 @@ Each program of the grid (B, H, V-blocks) holds its [K, block_v] slice of the fl
 and steps through the T tokens:  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
 XLA's version runs one scan step (several small kernels) per token; here a decoding step (T = 1) is
 a single launch, which also upcasts q, k and v from the caller's dtype, l2-normalises q and k
-(`use_qk_l2norm`) and scales q, so no XLA pass over them precedes it. Gradients (rarely needed for decoding) come from the float32 reference recurrence
-through a custom_vjp, so they are exact rather than unavailable.
+(`use_qk_l2norm`) and scales q, so no XLA pass over them precedes it. Gradients (rarely needed
+for decoding) come from the float32 reference recurrence through a custom_vjp, so they are exact
+rather than unavailable.
 
 The state operand is stacked over layer groups, [G, B, H, K, V], with the group index as an int32
 [1] operand, and aliased to the final state: a decoding step reads and writes its layer group's
@@ -24,9 +25,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta_rule.reference import (
-    L2NORM_EPS,
     compute_dtype,
+    l2_normalize,
     naive_recurrent_gated_delta_rule,
+    query_scale,
 )
 from pallas_kernels.pallas_common import interpret_mode, next_power_of_two, triton_compiler_params
 from pallas_kernels.stacked import group_operand
@@ -67,7 +69,7 @@ def _recurrent_kernel(group_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o
   def prepared(ref, token):
     x_1K = ref[token, :].astype(jnp.float32)
     if use_qk_l2norm:
-      x_1K = x_1K * jax.lax.rsqrt(jnp.sum(x_1K * x_1K, axis=1, keepdims=True) + L2NORM_EPS)
+      x_1K = l2_normalize(x_1K)
     return x_1K
 
   def step(t, h_KV):
@@ -92,8 +94,6 @@ def _forward(q, k, v, g, beta, state_GBHKV, group, scale, use_qk_l2norm, config)
   """(o [B, T, H, V], the stacked final state) for a stacked state of power-of-two K and V."""
   # q, k and v go in as they come: the kernel upcasts, normalises and scales them.
   g_BTH, beta_BTH = g.astype(jnp.float32), beta.astype(jnp.float32)
-  if scale is None:
-    scale = q.shape[-1] ** -0.5
   batch, seq_len, heads, key_dim = q.shape
   value_dim = v.shape[-1]
   padded_k, padded_v = state_GBHKV.shape[-2:]
@@ -105,8 +105,8 @@ def _forward(q, k, v, g, beta, state_GBHKV, group, scale, use_qk_l2norm, config)
   token_spec = lambda width, index: pl.BlockSpec((None, seq_len, None, width), index)
   gate_spec = pl.BlockSpec((None, None, seq_len), lambda b, h, j: (b, h, 0))
   o_BTHV, final_state_GBHKV = pl.pallas_call(
-      functools.partial(_recurrent_kernel, seq_len=seq_len, block_v=block_v, scale=float(scale),
-                        use_qk_l2norm=use_qk_l2norm),
+      functools.partial(_recurrent_kernel, seq_len=seq_len, block_v=block_v,
+                        scale=query_scale(scale, key_dim), use_qk_l2norm=use_qk_l2norm),
       grid=(batch, heads, padded_v // block_v),
       in_specs=[pl.no_block_spec,
                 token_spec(padded_k, lambda b, h, j: (b, 0, h, 0)),

@@ -38,6 +38,11 @@ def compute_dtype(*arrays) -> jnp.dtype:
   return dtype
 
 
+def query_scale(scale: float | None, key_dim: int) -> float:
+  """The factor folded into q: `scale`, or 1 / sqrt(key_dim) when it is None."""
+  return float(key_dim ** -0.5 if scale is None else scale)
+
+
 def l2_normalize(x_BTHD: jax.Array) -> jax.Array:
   """x / sqrt(sum x^2 + 1e-6) over the last (head) axis; the eps keeps zero vectors finite."""
   sum_sq_BTH1 = jnp.sum(jnp.square(x_BTHD), axis=-1, keepdims=True)
@@ -122,9 +127,7 @@ def _prepare_inputs(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
   if use_qk_l2norm:
     q_BTHK = l2_normalize(q_BTHK)
     k_BTHK = l2_normalize(k_BTHK)
-  if scale is None:
-    scale = key_dim ** -0.5
-  q_BTHK = q_BTHK * jnp.asarray(scale, dtype)
+  q_BTHK = q_BTHK * jnp.asarray(query_scale(scale, key_dim), dtype)
   if initial_state is None:
     state_BHKV = jnp.zeros((batch, heads, key_dim, value_dim), dtype)
   else:
