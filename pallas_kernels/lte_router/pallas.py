@@ -18,9 +18,9 @@ xd_1 given (XLA computes it fused with the transpose that builds it):
   XLA). The bias gradients, the projection's and the last layer's d pre are XLA reductions and
   one elementwise pass over the narrowest activation.
 
-The forward keeps pre_l for the backward (named ROUTER_ACTIVATION, which the remat policy
-"attention" saves), so a recomputation runs no convolution; the backward recomputes xd_l (l > 1)
-from them in XLA.
+The forward keeps pre_l and xd_l (l > 1) for the backward (named ROUTER_ACTIVATION, which the
+remat policy "attention" saves), so a recomputation runs no convolution and the backward no
+dropout mask.
 """
 
 from __future__ import annotations
@@ -282,30 +282,21 @@ def _router_cnn_fwd(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds
                     rate):
   logit_KBT, activations = _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds,
                                     dilations, rate)
-  # Kept: the pre-activations. The later layers' dropped inputs are recomputed from them in the
-  # backward (one XLA pass each over narrower activations): keeping them too measured slower
-  # when the step scanned its layer groups and copied every kept activation through their
-  # stacked buffers (2026-11-29); not measured since the step runs them unrolled.
-  pres = tuple(checkpoint_name(pre, ROUTER_ACTIVATION) for _, pre in activations)
-  return logit_KBT, (xd_KBTC, pres, weights, biases, proj_weight_KC, proj_bias_K, seeds)
-
-
-def _dropped_activation(pre_KBTC, seed_words, rate):
-  """drop(silu(pre)) as the forward kernels compute it (rounded to pre's dtype before the
-  dropout's scaling, the mask of seed_words = (s0, s1, row offset, 0))."""
-  act = jax.nn.silu(pre_KBTC.astype(jnp.float32)).astype(pre_KBTC.dtype)
-  if seed_words is None or not rate:
-    return act
-  keep = counter_hash.keep_mask(seed_words[:2], pre_KBTC.shape, rate, layout="KBTC",
-                                row_offset=seed_words[2])
-  return jnp.where(keep, act.astype(jnp.float32) / (1.0 - rate), 0.0).astype(pre_KBTC.dtype)
+  # Kept: the pre-activations and the later layers' dropped inputs, which the forward kernels
+  # write anyway (each layer's second output). The backward recomputed those inputs in XLA until
+  # 2026-11-30 (a SiLU, the dropout's hash and a select per element, ~0.12 ms a layer of
+  # lalte-0.4b at 8 sequences by the router's profile): keeping them measured slower only while
+  # the step scanned its layer groups and copied every kept activation through their stacked
+  # buffers (2026-11-29); the step runs them unrolled now.
+  kept = tuple((checkpoint_name(xd, ROUTER_ACTIVATION) if layer else None,
+                checkpoint_name(pre, ROUTER_ACTIVATION))
+               for layer, (xd, pre) in enumerate(activations))
+  return logit_KBT, (xd_KBTC, kept, weights, biases, proj_weight_KC, proj_bias_K, seeds)
 
 
 def _router_cnn_bwd(dilations, rate, residuals, dlogit_KBT):
-  xd_KBTC, pres, weights, biases, proj_weight_KC, proj_bias_K, seeds = residuals
-  activations = [(xd_KBTC, pres[0])] + [
-      (_dropped_activation(pres[layer - 1], None if seeds is None else seeds[layer], rate),
-       pres[layer]) for layer in range(1, len(pres))]
+  xd_KBTC, kept, weights, biases, proj_weight_KC, proj_bias_K, seeds = residuals
+  activations = [(xd_KBTC, kept[0][1])] + list(kept[1:])
   dtype = activations[0][0].dtype
   pre_last = activations[-1][1].astype(jnp.float32)
   act_last = jax.nn.silu(pre_last).astype(dtype).astype(jnp.float32)

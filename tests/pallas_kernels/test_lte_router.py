@@ -230,6 +230,32 @@ def test_remat_policy_attention_recomputes_no_router_convolution():
   assert dots("attention") == dots("block") - len(lte.router_kernel_sizes) - 1
 
 
+
+def _xla_equations(jaxpr):
+  """The equations of a jaxpr and of the jaxprs inside them, but not inside Pallas kernels."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
+          yield from _xla_equations(getattr(sub, "jaxpr", sub))
+
+
+def test_pallas_backward_hashes_no_dropout_mask():
+  """The Pallas router's backward reads the later layers' dropped inputs the forward kernels
+  wrote: outside the kernels, its gradient program hashes only the first layer's mask, as the
+  forward alone does (the hash's xors counted)."""
+  args, seeds, _ = _inputs(40, (3, 3, 3), rate=0.1)
+  args = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), args)
+  logits = lambda *a: jnp.sum(router_logits(*a, seeds, dilations=(2, 2, 2), rate=0.1,
+                                            implementation="pallas"))
+  xors = lambda fn: sum(eqn.primitive.name == "xor" for eqn in _xla_equations(
+      jax.make_jaxpr(fn)(*args).jaxpr))
+  assert xors(logits) > 0
+  assert xors(jax.grad(logits, argnums=range(len(args)))) == xors(logits)
+
 # The settled token's logit (decoding): one span of 2 m + 1 tokens, m the receptive half-width.
 
 def _span_inputs(batch, taps, dilations, *, seed=3):
