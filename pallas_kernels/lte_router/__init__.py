@@ -32,13 +32,8 @@ def _pallas(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds,
             rate, mask_BT=None, row_offset=0):
   if mask_BT is not None:
     raise NotImplementedError("lte_router[pallas]: no padding mask (a prompt's router runs XLA)")
-  # Heads first, as the XLA version; the first layer's dropout runs in XLA fused with the
-  # transpose that builds the input.
-  x_KBTC = jnp.transpose(jnp.concatenate([k_BTKD, v_BTKD], axis=-1), (2, 0, 1, 3))
-  pallas.check_supported(x_KBTC, weights)
-  xd_KBTC = reference.dropped(x_KBTC, None if seeds is None else seeds[0], rate, row_offset)
-  logit_KBT = pallas.router_logits(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds,
-                                   dilations=dilations, rate=rate, row_offset=row_offset)
+  logit_KBT = pallas.router_logits(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K,
+                                   seeds, dilations=dilations, rate=rate, row_offset=row_offset)
   return jnp.transpose(logit_KBT, (1, 2, 0))
 
 

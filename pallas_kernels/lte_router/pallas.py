@@ -3,20 +3,23 @@ elementwise work, forward and backward, one pass over each activation.
 
 The router (reference.py) is, per KV head, L layers xd_l = drop_l(x_{l-1}), pre_l = conv_l(xd_l)
 + b_l, x_l = silu(pre_l), then logit = x_L . w_p + b_p. XLA runs each of these as its own pass
-over HBM (and the dropout's hash in several of them). Here, with the first layer's dropped input
-xd_1 given (XLA computes it fused with the transpose that builds it):
+over HBM (and the dropout's hash in several of them). Here:
 
-- forward, one kernel per layer: the conv of xd_l from its rows at each tap's offset (masked
+- forward, one kernel that builds the first layer's dropped input xd_1 = drop(concat(k, v)),
+  heads first, from k and v in their [B, T, K, D] layout (the transpose, the concatenation and
+  the mask in one pass); then one kernel per layer: the conv of xd_l from its rows at each tap's offset (masked
   loads; rows outside [0, T) read zeros: the 'same' padding), the bias, and in the epilogue the
   next layer's dropped input xd_{l+1} = drop(silu(pre_l)) with its mask hashed once per element
   (the counter hash of counter_hash.py: the same bits as XLA's mask), or for the last layer the
   projection's logit;
 - backward, one kernel per layer for the input gradient, the same convolution of d pre_l with the
   taps transposed and their offsets negated, whose epilogue applies layer l's dropout mask and
-  the SiLU derivative at pre_{l-1}: it writes d pre_{l-1} directly; and one kernel per layer for
+  the SiLU derivative at pre_{l-1}: it writes d pre_{l-1} directly (the first layer's writes dk
+  and dv in their [B, T, K, D] layout with the first mask applied), and per program the column
+  sums of its rows of d pre_l (the bias gradient's partial sums); and one kernel per layer for
   the weight gradient (x[t + offset_i]^T d pre[t] summed per chunk of tokens, the chunks added by
-  XLA). The bias gradients, the projection's and the last layer's d pre are XLA reductions and
-  one elementwise pass over the narrowest activation.
+  XLA). The projection's gradients and the last layer's d pre are XLA reductions and one
+  elementwise pass over the narrowest activation.
 
 The forward keeps pre_l and xd_l (l > 1) for the backward (named ROUTER_ACTIVATION, which the
 remat policy "attention" saves), so a recomputation runs no convolution and the backward no
@@ -45,16 +48,20 @@ MAX_ACCUMULATOR = 8192  # float32 elements of a weight-gradient program's [C blo
 NUM_WARPS = 4
 
 
-def check_supported(x_KBTC: jax.Array, weights: tuple[jax.Array, ...]) -> None:
+def check_supported(k_BTKD: jax.Array, weights: tuple[jax.Array, ...]) -> None:
   """NotImplementedError for widths and dtypes the kernels do not handle."""
+  depth = k_BTKD.shape[-1]  # the first layer's kernels read k and v apart
+  if depth < MIN_DOT_DIM or not is_power_of_two(depth):
+    raise NotImplementedError(f"lte_router[pallas]: head dim {depth} must be a power of two >="
+                              f" {MIN_DOT_DIM}")
   for weight_KICO in weights:
     for name, width in (("input channels", weight_KICO.shape[2]),
                         ("output channels", weight_KICO.shape[3])):
       if width < MIN_DOT_DIM or not is_power_of_two(width):
         raise NotImplementedError(f"lte_router[pallas]: conv {name} {width} must be a power of"
                                   f" two >= {MIN_DOT_DIM}")
-  if jnp.dtype(x_KBTC.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-    raise NotImplementedError(f"lte_router[pallas]: dtype {x_KBTC.dtype}")
+  if jnp.dtype(k_BTKD.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"lte_router[pallas]: dtype {k_BTKD.dtype}")
 
 
 def _rows(ref, first_row, offset, length):
@@ -71,26 +78,31 @@ def _rows(ref, first_row, offset, length):
   return jnp.where(valid_R1, x_RC, jnp.zeros_like(x_RC))
 
 
-def _keep(seed_ref, first_row, width, *, length, rate):
+def _keep(seed_ref, first_row, width, *, length, rate, channels=None, first_channel=0):
   """bool [BLOCK_T, width]: counter_hash.keep_mask's bits for the program's rows of (head, row),
-  heads-first layout (token (row_offset + b) * T + t, unit head * width + channel); seed_ref
-  holds the seed words and the row offset."""
+  heads-first layout (token (row_offset + b) * T + t, unit head * channels + channel, for the
+  channels first_channel + [0, width) of `channels`, default width); seed_ref holds the seed
+  words and the row offset."""
   head, row = pl.program_id(0), pl.program_id(1)
   global_row = row.astype(jnp.uint32) + seed_ref[2]
   token_R1 = (global_row * jnp.uint32(length)
               + (first_row + jnp.arange(BLOCK_T, dtype=jnp.int32)).astype(jnp.uint32))[:, None]
-  unit_1C = (head * width + jnp.arange(width, dtype=jnp.int32)).astype(jnp.uint32)[None, :]
+  channels = width if channels is None else channels
+  unit_1C = (head * channels + first_channel
+             + jnp.arange(width, dtype=jnp.int32)).astype(jnp.uint32)[None, :]
   token_hash_R1 = counter_hash.mix32(token_R1 ^ seed_ref[0]) ^ seed_ref[1]
   bits_RC = counter_hash.mix32(token_hash_R1 + unit_1C * counter_hash.GOLDEN)
   return bits_RC >= counter_hash.keep_threshold(rate)
 
 
-def _conv_sum(x_ref, w_ref, first_row, offsets, length, transpose_taps=False):
-  """float32 [BLOCK_T, O] (or [BLOCK_T, C] with transpose_taps): sum_i x[t + offset_i] W_i."""
+def _conv_sum(x_ref, w_ref, first_row, offsets, length, transpose_taps=False, channels=None):
+  """float32 [BLOCK_T, O] (or [BLOCK_T, C] with transpose_taps): sum_i x[t + offset_i] W_i.
+  channels: (first, count) of the weights' input channels to use (transpose_taps only)."""
   exact = x_ref.dtype == jnp.float32
   acc = None
   for i, offset in enumerate(offsets):
-    term = kernel_dot(_rows(x_ref, first_row, offset, length), w_ref[i], exact=exact,
+    w = w_ref[i] if channels is None else w_ref[i, pl.ds(*channels), :]
+    term = kernel_dot(_rows(x_ref, first_row, offset, length), w, exact=exact,
                       trans_b=transpose_taps)
     acc = term if acc is None else acc + term
   return acc
@@ -99,6 +111,20 @@ def _conv_sum(x_ref, w_ref, first_row, offsets, length, transpose_taps=False):
 def _silu_grad(pre):
   sig = jax.nn.sigmoid(pre)
   return sig * (1.0 + pre * (1.0 - sig))
+
+
+def _dropped_input_kernel(*refs, length, rate):
+  """Grid (head, row, tile): xd_1 = drop(concat(k, v)) of the tile, heads first."""
+  k_ref, v_ref, out_ref = refs[0], refs[1], refs[-1]
+  first_row = pl.program_id(2) * BLOCK_T
+  depth = k_ref.shape[-1]
+  for half, source_ref in enumerate((k_ref, v_ref)):
+    x_RD = _rows(source_ref, first_row, 0, length)
+    if rate:
+      keep_RD = _keep(refs[2], first_row, depth, length=length, rate=rate, channels=2 * depth,
+                      first_channel=half * depth)
+      x_RD = jnp.where(keep_RD, x_RD.astype(jnp.float32) / (1.0 - rate), 0.0)
+    out_ref[:, pl.ds(half * depth, depth)] = x_RD.astype(out_ref.dtype)
 
 
 def _forward_kernel(*refs, offsets, length, rate, last):
@@ -125,19 +151,30 @@ def _forward_kernel(*refs, offsets, length, rate, last):
 
 
 def _input_grad_kernel(*refs, offsets, length, rate, first_layer):
-  """Grid (head, row, tile): d xd_l of the tile (first layer) or d pre_{l-1}."""
+  """Grid (head, row, tile): the column sums of the tile's rows of d pre_l, and d pre_{l-1} of
+  the tile, or for the first layer dk and dv (through the first layer's dropout)."""
   dpre_ref, w_ref = refs[:2]
-  out_ref = refs[-1]
   first_row = pl.program_id(2) * BLOCK_T
+  dbias_ref = refs[-1]
+  dbias_ref[...] = jnp.sum(_rows(dpre_ref, first_row, 0, length).astype(jnp.float32), axis=0)
+  if first_layer:  # refs: dpre, w, [seed,] dk, dv, dbias
+    depth = w_ref.shape[1] // 2
+    for half, out_ref in enumerate(refs[-3:-1]):
+      dx_RD = _conv_sum(dpre_ref, w_ref, first_row, offsets, length, transpose_taps=True,
+                        channels=(half * depth, depth))
+      if rate:
+        keep_RD = _keep(refs[2], first_row, depth, length=length, rate=rate,
+                        channels=2 * depth, first_channel=half * depth)
+        dx_RD = jnp.where(keep_RD, dx_RD / (1.0 - rate), 0.0)
+      out_ref[...] = dx_RD.astype(out_ref.dtype)
+    return
+  out_ref = refs[-2]  # refs: dpre, w, prev_pre, [seed,] dpre_{l-1}, dbias
   dx_RC = _conv_sum(dpre_ref, w_ref, first_row, offsets, length, transpose_taps=True)
-  if not first_layer:
-    prev_pre_ref = refs[2]
-    if rate:
-      keep_RC = _keep(refs[3], first_row, dx_RC.shape[1], length=length, rate=rate)
-      dx_RC = jnp.where(keep_RC, dx_RC / (1.0 - rate), 0.0)
-    prev_pre_RC = _rows(prev_pre_ref, first_row, 0, length).astype(jnp.float32)
-    dx_RC = dx_RC * _silu_grad(prev_pre_RC)
-  out_ref[...] = dx_RC.astype(out_ref.dtype)
+  if rate:
+    keep_RC = _keep(refs[3], first_row, dx_RC.shape[1], length=length, rate=rate)
+    dx_RC = jnp.where(keep_RC, dx_RC / (1.0 - rate), 0.0)
+  prev_pre_RC = _rows(refs[2], first_row, 0, length).astype(jnp.float32)
+  out_ref[...] = (dx_RC * _silu_grad(prev_pre_RC)).astype(out_ref.dtype)
 
 
 def _weight_grad_kernel(x_ref, dy_ref, dw_ref, *, offsets, length):
@@ -166,6 +203,15 @@ def _tile_spec(width):
   return pl.BlockSpec((None, None, BLOCK_T, width), lambda k, b, j: (k, b, j, 0))
 
 
+def _token_major_row_spec(length, depth):
+  """The [T, D] rows of (head, row) of a [B, T, K, D] array."""
+  return pl.BlockSpec((None, length, None, depth), lambda k, b, j: (b, 0, k, 0))
+
+
+def _token_major_tile_spec(depth):
+  return pl.BlockSpec((None, BLOCK_T, None, depth), lambda k, b, j: (b, j, k, 0))
+
+
 _SEED_SPEC = pl.BlockSpec((4,), lambda k, b, j: (0,))  # seed words, row offset, unused
 
 
@@ -174,6 +220,25 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, *inputs):
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=triton_compiler_params(NUM_WARPS, 2), interpret=interpret_mode(),
       name=name)(*inputs)
+
+
+def _dropped_input(k_BTKD, v_BTKD, seed, rate):
+  """xd_1 [K, B, T, 2D]: concat(k, v) per head, heads first, through the first layer's
+  dropout (seed None or rate 0: none)."""
+  batch, length, heads, depth = k_BTKD.shape
+  tiles = cdiv(length, BLOCK_T)
+  in_specs = [_token_major_row_spec(length, depth)] * 2
+  inputs = [k_BTKD, v_BTKD]
+  rate = 0.0 if seed is None else rate
+  if rate:
+    in_specs.append(_SEED_SPEC)
+    inputs.append(seed)
+  out = _call(functools.partial(_dropped_input_kernel, length=length, rate=rate),
+              "lte_router_dropped_input", (heads, batch, tiles), in_specs,
+              _tile_spec(2 * depth),
+              jax.ShapeDtypeStruct((heads, batch, tiles * BLOCK_T, 2 * depth), k_BTKD.dtype),
+              *inputs)
+  return out[:, :, :length]
 
 
 def _forward_layer(xd_KBTC, weight_KICO, bias_KO, offsets, seed, rate, projection):
@@ -208,25 +273,37 @@ def _forward_layer(xd_KBTC, weight_KICO, bias_KO, offsets, seed, rate, projectio
 
 
 def _input_grad(dpre_KBTO, weight_KICO, offsets, prev_pre, seed, rate):
-  """d xd_l (prev_pre None: the first layer) or d pre_{l-1}, [K, B, T, C] in dpre's dtype."""
+  """(d pre_{l-1} [K, B, T, C], d b_l float32 [K, O]) in dpre's dtype, or with prev_pre None
+  (the first layer) (dk, dv [B, T, K, C / 2], d b_1) through the first layer's dropout."""
   heads, batch, length, c_out = dpre_KBTO.shape
   taps, channels = weight_KICO.shape[1], weight_KICO.shape[2]
   tiles = cdiv(length, BLOCK_T)
+  dtype = dpre_KBTO.dtype
   in_specs = [_row_spec(length, c_out),
               pl.BlockSpec((None, taps, channels, c_out), lambda k, b, j: (k, 0, 0, 0))]
-  inputs = [dpre_KBTO, weight_KICO.astype(dpre_KBTO.dtype)]
-  if prev_pre is not None:
+  inputs = [dpre_KBTO, weight_KICO.astype(dtype)]
+  if prev_pre is None:
+    depth = channels // 2
+    out_specs = [_token_major_tile_spec(depth)] * 2
+    out_shape = [jax.ShapeDtypeStruct((batch, tiles * BLOCK_T, heads, depth), dtype)] * 2
+  else:
     in_specs.append(_row_spec(length, channels))
     inputs.append(prev_pre)
-    if rate:
-      in_specs.append(_SEED_SPEC)
-      inputs.append(seed)
-  out = _call(
+    out_specs = [_tile_spec(channels)]
+    out_shape = [jax.ShapeDtypeStruct((heads, batch, tiles * BLOCK_T, channels), dtype)]
+  if rate:
+    in_specs.append(_SEED_SPEC)
+    inputs.append(seed)
+  out_specs.append(pl.BlockSpec((None, None, None, c_out), lambda k, b, j: (k, b, j, 0)))
+  out_shape.append(jax.ShapeDtypeStruct((heads, batch, tiles, c_out), jnp.float32))
+  *grads, dbias_partial = _call(
       functools.partial(_input_grad_kernel, offsets=tuple(-o for o in offsets), length=length,
                         rate=rate, first_layer=prev_pre is None),
-      "lte_router_input_grad", (heads, batch, tiles), in_specs, _tile_spec(channels),
-      jax.ShapeDtypeStruct((heads, batch, tiles * BLOCK_T, channels), dpre_KBTO.dtype), *inputs)
-  return out[:, :, :length]
+      "lte_router_input_grad", (heads, batch, tiles), in_specs, out_specs, out_shape, *inputs)
+  dbias_KO = jnp.sum(dbias_partial, axis=(1, 2))
+  if prev_pre is None:
+    return grads[0][:, :length], grads[1][:, :length], dbias_KO
+  return grads[0][:, :, :length], dbias_KO
 
 
 def _weight_grad(x_KBTC, dy_KBTO, offsets):
@@ -272,21 +349,30 @@ def _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilat
   return xd_KBTC, activations
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _router_cnn(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilations, rate):
+def _first_seed(seeds):
+  return None if seeds is None else seeds[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _router_cnn(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilations,
+                rate):
+  xd_KBTC = _dropped_input(k_BTKD, v_BTKD, _first_seed(seeds), rate)
   return _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilations,
                   rate)[0]
 
 
-def _router_cnn_fwd(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilations,
-                    rate):
+def _router_cnn_fwd(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds,
+                    dilations, rate):
+  # xd_1 is not named: a remat policy that saves the router's activations recomputes it from k
+  # and v (one pass) rather than keeping the widest of them.
+  xd_KBTC = _dropped_input(k_BTKD, v_BTKD, _first_seed(seeds), rate)
   logit_KBT, activations = _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds,
                                     dilations, rate)
   # Kept: the pre-activations and the later layers' dropped inputs, which the forward kernels
   # write anyway (each layer's second output). The backward recomputed those inputs in XLA until
-  # 2026-11-30 (a SiLU, the dropout's hash and a select per element, ~0.12 ms a layer of
-  # lalte-0.4b at 8 sequences by the router's profile): keeping them measured slower only while
-  # the step scanned its layer groups and copied every kept activation through their stacked
+  # 2026-11-30 (a SiLU, the dropout's hash and a select per element); reading them made the
+  # lalte-0.4b step 0.992x (H200, 8 sequences). Keeping them had measured slower only while the
+  # step scanned its layer groups and copied every kept activation through their stacked
   # buffers (2026-11-29); the step runs them unrolled now.
   kept = tuple((checkpoint_name(xd, ROUTER_ACTIVATION) if layer else None,
                 checkpoint_name(pre, ROUTER_ACTIVATION))
@@ -309,12 +395,16 @@ def _router_cnn_bwd(dilations, rate, residuals, dlogit_KBT):
     xd, _ = activations[layer]
     offsets = _offsets(weights[layer].shape[1], dilations[layer])
     dweights.append(_weight_grad(xd, dpre, offsets).astype(weights[layer].dtype))
-    dbiases.append(jnp.sum(dpre.astype(jnp.float32), axis=(1, 2)).astype(biases[layer].dtype))
     prev_pre = None if layer == 0 else activations[layer - 1][1]
-    dpre = _input_grad(dpre, weights[layer], offsets, prev_pre,
-                       None if seeds is None else seeds[layer], 0.0 if seeds is None else rate)
+    *dpre, dbias = _input_grad(dpre, weights[layer], offsets, prev_pre,
+                               None if seeds is None else seeds[layer],
+                               0.0 if seeds is None else rate)
+    dbiases.append(dbias.astype(biases[layer].dtype))
+    if layer:
+      (dpre,) = dpre
+  dk_BTKD, dv_BTKD = dpre
   seeds_grad = None if seeds is None else jnp.zeros(seeds.shape, jax.dtypes.float0)
-  return (dpre, tuple(reversed(dweights)), tuple(reversed(dbiases)),
+  return (dk_BTKD, dv_BTKD, tuple(reversed(dweights)), tuple(reversed(dbiases)),
           dproj_weight.astype(proj_weight_KC.dtype), dproj_bias.astype(proj_bias_K.dtype),
           seeds_grad)
 
@@ -322,20 +412,20 @@ def _router_cnn_bwd(dilations, rate, residuals, dlogit_KBT):
 _router_cnn.defvjp(_router_cnn_fwd, _router_cnn_bwd)
 
 
-def router_logits(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, *, dilations,
-                  rate, row_offset=0):
-  """logit [K, B, T] float32 of the router's CNN from its first layer's dropped input xd_1.
+def router_logits(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds, *,
+                  dilations, rate, row_offset=0):
+  """logit [K, B, T] float32 of the router's CNN over concat(k, v) per head ([B, T, K, D]
+  each).
 
-  seeds: uint32 [L, 2], each layer's dropout seed words (row 0, the first layer's, is already
-  applied to xd_1), or None: no dropout. row_offset: the global index of row 0 (see
-  counter_hash.keep_mask)."""
-  check_supported(xd_KBTC, weights)
+  seeds: uint32 [L, 2], each layer's dropout seed words, or None: no dropout. row_offset: the
+  global index of row 0 (see counter_hash.keep_mask)."""
+  check_supported(k_BTKD, weights)
   if seeds is not None:  # per layer: the seed words, the row offset, padding to 4 words
     offsets_L1 = jnp.broadcast_to(jnp.asarray(row_offset).astype(jnp.uint32), (seeds.shape[0], 1))
     seeds = jnp.concatenate([seeds.astype(jnp.uint32), offsets_L1, jnp.zeros_like(offsets_L1)],
                             axis=1)
-  logit_KBT = _router_cnn(xd_KBTC, tuple(weights), tuple(biases), proj_weight_KC, proj_bias_K,
-                          seeds, tuple(dilations), float(rate))
+  logit_KBT = _router_cnn(k_BTKD, v_BTKD, tuple(weights), tuple(biases), proj_weight_KC,
+                          proj_bias_K, seeds, tuple(dilations), float(rate))
   # Kept by the remat policy too: the scores' backward (the sigmoid) reads the logits, which a
   # recomputation would otherwise get by running every forward kernel again.
   return checkpoint_name(logit_KBT, ROUTER_ACTIVATION)
