@@ -4,11 +4,13 @@
     python tools/bench_train_ab.py --base /tmp/base --rounds 2 -- \\
         --presets gdn_swa-0.4b lalte-0.4b --batch 4 --steps 5 --warmup 2 --lte_kept_fraction 0.125
 
-Each round runs `tools/bench_train.py` with the arguments after `--` from the base tree, then
-from this checkout (each preset in its own child process, as bench_train does unless given
-`--in_process`); each tree imports its own `lalte_jax` and `pallas_kernels` (bench_train puts its
-tree first on the path). Alternating the trees round by round spreads a GPU's drift over both, and
-the ratio of the two step times of one round compares moments close together: per preset, the
+Each round runs `tools/bench_train.py` with the arguments after `--` from both trees, the base
+first in even rounds and this checkout first in odd ones (each preset in its own child process,
+as bench_train does unless given `--in_process`); each tree imports its own `lalte_jax` and
+`pallas_kernels` (bench_train puts its tree first on the path). The order base, this, this, base
+cancels a GPU's steady drift over an even number of rounds; single rounds still scatter (two A/Bs
+on one H200, 2026-11-30, base first in every round: 0.997 / 0.973 and 1.000 / 0.985). The ratio
+of the two step times of one round compares moments close together: per preset, the
 table gives each round's step times and `this / base`, then the median ratio (< 1: this tree's
 step is shorter). The trees' tokens/s ratios to another preset of the same run (e.g. lalte-0.4b
 over gdn_swa-0.4b) are in the JSON (`--json`), which holds every bench_train result with its tree
@@ -42,7 +44,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--base", required=True, type=pathlib.Path,
                       help="the other tree: a directory holding lalte_jax, pallas_kernels, tools")
-  parser.add_argument("--rounds", type=int, default=2, help="base-then-this rounds")
+  parser.add_argument("--rounds", type=int, default=2,
+                      help="rounds of both trees (base first in even rounds, this in odd ones)")
   parser.add_argument("--json", default="", help="also write every result (a JSON list) here")
   args = parser.parse_args(argv[:split])
   if args.rounds <= 0:
@@ -132,11 +135,18 @@ def markdown(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def round_order(round_: int) -> tuple[str, str]:
+  """The trees in the order round `round_` runs them: base, this, then this, base, and so on."""
+  return ("base", "this") if round_ % 2 == 0 else ("this", "base")
+
+
 def main(argv: list[str] | None = None) -> int:
   args, bench_argv = parse_args(argv)
+  trees = {"base": args.base.resolve(), "this": THIS_TREE}
   results, ok = [], True
   for round_ in range(args.rounds):
-    for tree_name, tree in (("base", args.base.resolve()), ("this", THIS_TREE)):
+    for tree_name in round_order(round_):
+      tree = trees[tree_name]
       for result in run_tree(tree, bench_argv):
         ok &= result.get("status") == "ok"
         results.append({**result, "tree": tree_name, "tree_path": str(tree), "round": round_})

@@ -41,23 +41,20 @@
 #              that fits marked), routers at 12.5% kept: gdn_swa-0.4b and lalte-0.4b at 8, 12
 #              and 16 (each batch a process compiling its unrolled step: ~65 s a row; ~7 min)
 #   batches14  the same for gdn_swa-1.4b and lalte-1.4b at 4 and 8 (~5 min)
-#   layercopies the 0.4b pair's step scanned, with XLA's dynamic-slice fusion (with and without
-#              command buffers) and unrolled: the copies into and out of the scan's per-layer
-#              buffers (~6 min a round; --budget 560 keeps the first)
-#   batches    the training step at the per-device batches bench_train picks from (the fastest
-#              that fits marked): gdn_swa and lalte at 0.4b (8, 12, 16) and 1.4b (4, 8) (~9 min)
 #   ltesweep   LTE training attention's backward blocks at a lalte-0.4b layer (16 query heads over
 #              16 KV heads, window 769, 512 kept per KV head: routers at 12.5%), B8 T4096, with
 #              the kept-list dk/dv split into query chunks among the candidates (~4 min)
-#   shortconv  GDN's short convolution: its GPU parity tests and the kernels against XLA by GPU kernel
-#              time, with the launch candidates (tools/bench_short_conv.py --sweep; ~2 min)
-#   ab         this tree's training step against another's in alternation (AB_BASE: a directory
-#              holding that tree's lalte_jax, pallas_kernels and tools, e.g. from `git archive`;
-#              relative paths from the repository root):
-#              gdn_swa-0.4b and lalte-0.4b at 8 sequences, routers at 12.5% (~8 min)
-#   servingab  this tree's `generate` against another's (AB_BASE, as for `ab`), in alternation,
-#              two rounds: lalte-1.4b at 32 rows after a 4K prompt (SERVINGAB_ARGS: other
-#              bench_serving arguments; one run ~2 min), then each run's ms a token (~8 min)
+#   shortconv  GDN's short convolution: its GPU parity tests and the kernels against XLA by GPU
+#              kernel time, with the launch candidates (tools/bench_short_conv.py --sweep; ~2 min)
+#   ab         this tree's training step against another's, two rounds in the order base, this,
+#              this, base (tools/bench_train_ab.py; AB_BASE: a directory holding that tree's
+#              lalte_jax, pallas_kernels and tools, e.g. from `git archive`; relative paths from
+#              the repository root): gdn_swa-0.4b and lalte-0.4b at 8 sequences, routers at
+#              12.5% (~8 min)
+#   servingab  this tree's `generate` against another's (AB_BASE, as for `ab`), two rounds in the
+#              order base, this, this, base: lalte-1.4b at 32 rows after a 4K prompt
+#              (SERVINGAB_ARGS: other bench_serving arguments; one run ~2 min), then each run's
+#              ms a token (~8 min)
 #   tma        SWA-1024 as native Triton kernels with TMA descriptors (tools/probe_tma_attention.py)
 #              against our Pallas kernels and cuDNN, forward and forward+backward (~4 min)
 #   longprompt prefill of one 64K prompt, whole and in chunks of 8192 tokens: memory and tokens/s
@@ -311,13 +308,13 @@ case "$stage" in
     [ -d "${AB_BASE:-}" ] || { echo "servingab: set AB_BASE to the other tree's directory" >&2; exit 2; }
     base=$(cd "$AB_BASE" && pwd) || exit 2
     read -r -a serving <<<"${SERVINGAB_ARGS:---presets lalte-1.4b --batches 32 --prompts 4096 --steps 10 --warmup 3 --prefill-iters 1 --generate 129 256}"
-    for round in 0 1; do
-      # The other tree imports its own lalte_jax and pallas_kernels: its directory replaces this
-      # one on the path.
-      (cd "$base" && PYTHONPATH=${PYTHONPATH//$PWD/$base} step 170 python3 \
-        tools/bench_serving.py "${serving[@]}" --json "$dest/base_$round.json")
-      step 170 python3 tools/bench_serving.py "${serving[@]}" --json "$dest/this_$round.json"
-    done
+    # Base first in round 0, this tree first in round 1 (a steady drift cancels over the two).
+    # The other tree imports its own lalte_jax and pallas_kernels: its directory replaces this
+    # one on the path.
+    run_base() { (cd "$base" && PYTHONPATH=${PYTHONPATH//$PWD/$base} step 170 python3 \
+      tools/bench_serving.py "${serving[@]}" --json "$dest/base_$1.json"); }
+    run_this() { step 170 python3 tools/bench_serving.py "${serving[@]}" --json "$dest/this_$1.json"; }
+    run_base 0; run_this 0; run_this 1; run_base 1
     python3 - "$dest" <<'SUMMARY' | tee -a "$log"
 import json, pathlib, sys
 dest = pathlib.Path(sys.argv[1])

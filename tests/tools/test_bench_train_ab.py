@@ -50,6 +50,13 @@ def test_two_trees_alternate_and_each_imports_its_own_code(tmp_path, children):
   assert "| gdn_swa-tiny | 1 | median | | |" in done.stdout
 
 
+def test_rounds_alternate_which_tree_runs_first():
+  """base, this | this, base | base, this: a steady drift of the GPU cancels over two rounds."""
+  tool = load_tool("bench_train_ab")
+  assert [tool.round_order(r) for r in range(3)] == [
+      ("base", "this"), ("this", "base"), ("base", "this")]
+
+
 def test_summary_pairs_the_rounds_and_takes_the_median_ratio():
   ab = load_tool("bench_train_ab")
   results = [
