@@ -7,11 +7,11 @@ over HBM (and the dropout's hash in several of them). Here:
 
 - forward, one kernel that builds the first layer's dropped input xd_1 = drop(concat(k, v)),
   heads first, from k and v in their [B, T, K, D] layout (the transpose, the concatenation and
-  the mask in one pass); then one kernel per layer: the conv of xd_l from its rows at each tap's offset (masked
-  loads; rows outside [0, T) read zeros: the 'same' padding), the bias, and in the epilogue the
-  next layer's dropped input xd_{l+1} = drop(silu(pre_l)) with its mask hashed once per element
-  (the counter hash of counter_hash.py: the same bits as XLA's mask), or for the last layer the
-  projection's logit;
+  the mask in one pass); then one kernel per layer: the conv of xd_l from its rows at each tap's
+  offset (masked loads; rows outside [0, T) read zeros: the 'same' padding), the bias, and in
+  the epilogue the next layer's dropped input xd_{l+1} = drop(silu(pre_l)) with its mask hashed
+  once per element (the counter hash of counter_hash.py: the same bits as XLA's mask), or for
+  the last layer the projection's logit;
 - backward, one kernel per layer for the input gradient, the same convolution of d pre_l with the
   taps transposed and their offsets negated, whose epilogue applies layer l's dropout mask and
   the SiLU derivative at pre_{l-1}: it writes d pre_{l-1} directly (the first layer's writes dk
@@ -139,8 +139,8 @@ def _forward_kernel(*refs, offsets, length, rate, last):
   if last:  # the projection: logit = x_L . w_p + b_p
     wp_ref, bp_ref, logit_ref = refs[3], refs[4], refs[-1]
     act_RO = act_RO.astype(pre_ref.dtype).astype(jnp.float32)
-    logit_ref[...] = (jnp.sum(act_RO * wp_ref[...].astype(pre_ref.dtype).astype(jnp.float32)[None, :],
-                              axis=1) + bp_ref[0])
+    wp_1O = wp_ref[...].astype(pre_ref.dtype).astype(jnp.float32)[None, :]
+    logit_ref[...] = jnp.sum(act_RO * wp_1O, axis=1) + bp_ref[0]
     return
   next_ref = refs[-1]
   if rate:
@@ -273,8 +273,9 @@ def _forward_layer(xd_KBTC, weight_KICO, bias_KO, offsets, seed, rate, projectio
 
 
 def _input_grad(dpre_KBTO, weight_KICO, offsets, prev_pre, seed, rate):
-  """(d pre_{l-1} [K, B, T, C], d b_l float32 [K, O]) in dpre's dtype, or with prev_pre None
-  (the first layer) (dk, dv [B, T, K, C / 2], d b_1) through the first layer's dropout."""
+  """(input gradients, d b_l float32 [K, O]): the input gradients are (d pre_{l-1} [K, B, T, C],)
+  in dpre's dtype, or with prev_pre None (the first layer) (dk, dv [B, T, K, C / 2]) through the
+  first layer's dropout."""
   heads, batch, length, c_out = dpre_KBTO.shape
   taps, channels = weight_KICO.shape[1], weight_KICO.shape[2]
   tiles = cdiv(length, BLOCK_T)
@@ -302,8 +303,8 @@ def _input_grad(dpre_KBTO, weight_KICO, offsets, prev_pre, seed, rate):
       "lte_router_input_grad", (heads, batch, tiles), in_specs, out_specs, out_shape, *inputs)
   dbias_KO = jnp.sum(dbias_partial, axis=(1, 2))
   if prev_pre is None:
-    return grads[0][:, :length], grads[1][:, :length], dbias_KO
-  return grads[0][:, :, :length], dbias_KO
+    return (grads[0][:, :length], grads[1][:, :length]), dbias_KO
+  return (grads[0][:, :, :length],), dbias_KO
 
 
 def _weight_grad(x_KBTC, dy_KBTO, offsets):
@@ -396,13 +397,12 @@ def _router_cnn_bwd(dilations, rate, residuals, dlogit_KBT):
     offsets = _offsets(weights[layer].shape[1], dilations[layer])
     dweights.append(_weight_grad(xd, dpre, offsets).astype(weights[layer].dtype))
     prev_pre = None if layer == 0 else activations[layer - 1][1]
-    *dpre, dbias = _input_grad(dpre, weights[layer], offsets, prev_pre,
-                               None if seeds is None else seeds[layer],
-                               0.0 if seeds is None else rate)
+    input_grads, dbias = _input_grad(dpre, weights[layer], offsets, prev_pre,
+                                     None if seeds is None else seeds[layer],
+                                     0.0 if seeds is None else rate)
     dbiases.append(dbias.astype(biases[layer].dtype))
-    if layer:
-      (dpre,) = dpre
-  dk_BTKD, dv_BTKD = dpre
+    dpre = input_grads[0]
+  dk_BTKD, dv_BTKD = input_grads  # the first layer's
   seeds_grad = None if seeds is None else jnp.zeros(seeds.shape, jax.dtypes.float0)
   return (dk_BTKD, dv_BTKD, tuple(reversed(dweights)), tuple(reversed(dbiases)),
           dproj_weight.astype(proj_weight_KC.dtype), dproj_bias.astype(proj_bias_K.dtype),
