@@ -313,7 +313,8 @@ case "$stage" in
     # one on the path.
     run_base() { (cd "$base" && PYTHONPATH=${PYTHONPATH//$PWD/$base} step 170 python3 \
       tools/bench_serving.py "${serving[@]}" --json "$dest/base_$1.json"); }
-    run_this() { step 170 python3 tools/bench_serving.py "${serving[@]}" --json "$dest/this_$1.json"; }
+    run_this() { step 170 python3 tools/bench_serving.py "${serving[@]}" \
+      --json "$dest/this_$1.json"; }
     run_base 0; run_this 0; run_this 1; run_base 1
     python3 - "$dest" <<'SUMMARY' | tee -a "$log"
 import json, pathlib, sys

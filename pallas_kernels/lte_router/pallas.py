@@ -350,23 +350,18 @@ def _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilat
   return xd_KBTC, activations
 
 
-def _first_seed(seeds):
-  return None if seeds is None else seeds[0]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _router_cnn(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilations,
                 rate):
-  xd_KBTC = _dropped_input(k_BTKD, v_BTKD, _first_seed(seeds), rate)
-  return _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds, dilations,
-                  rate)[0]
+  return _router_cnn_fwd(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds,
+                         dilations, rate)[0]
 
 
 def _router_cnn_fwd(k_BTKD, v_BTKD, weights, biases, proj_weight_KC, proj_bias_K, seeds,
                     dilations, rate):
   # xd_1 is not named: a remat policy that saves the router's activations recomputes it from k
   # and v (one pass) rather than keeping the widest of them.
-  xd_KBTC = _dropped_input(k_BTKD, v_BTKD, _first_seed(seeds), rate)
+  xd_KBTC = _dropped_input(k_BTKD, v_BTKD, None if seeds is None else seeds[0], rate)
   logit_KBT, activations = _forward(xd_KBTC, weights, biases, proj_weight_KC, proj_bias_K, seeds,
                                     dilations, rate)
   # Kept: the pre-activations and the later layers' dropped inputs, which the forward kernels

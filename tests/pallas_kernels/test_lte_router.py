@@ -19,6 +19,7 @@ from lalte_jax.mixers.lte_router import LTERouter
 from lalte_jax.model import REMAT_CHECKPOINT_POLICIES
 from lalte_jax.presets import get_model_config
 from pallas_kernels.lte_router import counter_hash, router_logits, settled, settled_logit
+from pallas_kernels.lte_router import pallas as router_pallas
 from tests.kernel_testing import assert_close, float64
 
 HEADS, BATCH, HEAD_DIM = 2, 2, 64
@@ -230,7 +231,6 @@ def test_remat_policy_attention_recomputes_no_router_convolution():
   assert dots("attention") == dots("block") - len(lte.router_kernel_sizes) - 1
 
 
-
 def _xla_equations(jaxpr):
   """The equations of a jaxpr and of the jaxprs inside them, but not inside Pallas kernels."""
   for eqn in jaxpr.eqns:
@@ -265,7 +265,6 @@ def test_pallas_router_lowers_to_triton(monkeypatch):
   """At lalte-0.4b's router (16 KV heads, D 64, three layers of 3 taps, dilation 2; bf16, two
   sequences of 4096 tokens) the forward and backward kernels lower to Triton for a GPU, checked
   without one (lowering only)."""
-  from pallas_kernels.lte_router import pallas as router_pallas
   monkeypatch.setattr(router_pallas, "interpret_mode", lambda: False)
   lte = get_model_config("lalte-0.4b").lte
   graphdef, params = nnx.split(LTERouter(lte, rngs=nnx.Rngs(0)))
