@@ -10,7 +10,8 @@ One jitted call runs `--rounds` rounds over the G layers in a `lax.fori_loop` on
 (each step's q chained to the last output, so XLA can neither hoist nor merge the steps), timed in
 alternation with a jitted 1 GiB copy looped the same way (`pallas_kernels.benchmarking`); the
 ratio is the state's bytes per second over the copy's. The GPU time of the kernels (profiler) is
-reported beside it. `--sweep` times other `RecurrentConfig`s (columns per program, warps).
+reported beside it. Both state layouts are timed (the decode caches' "vk", [G, B, H, V, K], and "kv"), each at its
+default config; `--sweep` times other `RecurrentConfig`s (columns per program, warps).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from lalte_jax.config import get_model_config
 from pallas_kernels.benchmarking import Timed, kernel_times, looped_copy, paired_ms
 from pallas_kernels.gated_delta_rule.pallas_recurrent import (
-    RecurrentConfig, fused_recurrent_gated_delta_rule_pallas)
+    DEFAULT_CONFIGS, RecurrentConfig, fused_recurrent_gated_delta_rule_pallas)
 from tools.bench_decode_attention import copy_case, report_command_and_json
 
 
@@ -50,10 +51,14 @@ def step_inputs(preset: str, batch: int, key):
   return (q, k, v, g, beta), state, state_bytes + token_bytes
 
 
-def looped_steps(token, state, config: RecurrentConfig, rounds: int) -> Timed:
-  """`rounds` rounds of one step per layer group over the donated stacked state."""
+def looped_steps(token, state, config: RecurrentConfig, rounds: int, state_layout: str = "kv"
+                 ) -> Timed:
+  """`rounds` rounds of one step per layer group over the donated stacked [G, B, H, K, V] state
+  (transposed first for the "vk" layout)."""
   q, k, v, g, beta = token
   layers = state.shape[0]
+  if state_layout == "vk":
+    state = jnp.swapaxes(state, -1, -2)
 
   def run(state, q):
     def one_step(i, carry):
@@ -61,7 +66,8 @@ def looped_steps(token, state, config: RecurrentConfig, rounds: int) -> Timed:
       q_step = q + 0 * o[..., :q.shape[-1]]  # chained: no hoisting or merging of steps
       o, state = fused_recurrent_gated_delta_rule_pallas(
           q_step, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=state,
-          output_final_state=True, use_qk_l2norm=True, group=i % layers, config=config)
+          output_final_state=True, use_qk_l2norm=True, group=i % layers,
+          state_layout=state_layout, config=config)
       return state, o.astype(jnp.float32)
     o0 = jnp.zeros(v.shape, jnp.float32)
     return jax.lax.fori_loop(0, rounds * layers, one_step, (state, o0))
@@ -92,26 +98,29 @@ def main(argv=None) -> int:
   copy, copy_bytes = copy_case(args.copy_mib)
   copy_rounds = looped_copy(copy, args.rounds)
   on_gpu = jax.default_backend() == "gpu"
-  configs = [RecurrentConfig()]
+  # (state layout, config): each layout's default first.
+  configs = [(layout, DEFAULT_CONFIGS[layout]) for layout in ("vk", "kv")]
   if args.sweep:
-    configs += [RecurrentConfig(block_v=b, num_warps=w)
-                for b in (16, 32, 64, 128) for w in (1, 2, 4, 8)
-                if (b, w) != (RecurrentConfig().block_v, RecurrentConfig().num_warps)]
+    configs += [(layout, RecurrentConfig(block_v=b, num_warps=w))
+                for layout, blocks, warps in (("vk", (16, 32, 64), (1, 2, 4)),
+                                              ("kv", (16, 32, 64, 128), (1, 2, 4, 8)))
+                for b in blocks for w in warps
+                if RecurrentConfig(block_v=b, num_warps=w) != DEFAULT_CONFIGS[layout]]
   results = {"device": device, "batch": args.batch, "rounds": args.rounds, "rows": []}
   print(f"device {device}; B{args.batch}; each ratio is to a {args.copy_mib} MiB copy looped"
         f" {args.rounds} times per call, timed in alternation")
-  print("| preset | block_v | warps | us/step | state GB/s | / copy | GPU us/step |"
-        "\n|---|---:|---:|---:|---:|---:|---:|")
+  print("| preset | layout | block_v | warps | us/step | state GB/s | / copy | GPU us/step |"
+        "\n|---|---|---:|---:|---:|---:|---:|---:|")
   for preset in args.presets:
     token, state, moved = step_inputs(preset, args.batch, jax.random.key(0))
     steps = args.rounds * state.shape[0]
-    for config in configs:
+    for layout, config in configs:
       try:
-        timed = looped_steps(token, state + 0, config, args.rounds)
+        timed = looped_steps(token, state + 0, config, args.rounds, layout)
         call_ms, copy_ms = paired_ms(timed, copy_rounds, warmup=3, rounds=args.repeats)
       except Exception as error:  # pylint: disable=broad-except
-        print(f"| {preset} | {config.block_v} | {config.num_warps} | FAILED {str(error)[:300]} |",
-              flush=True)
+        print(f"| {preset} | {layout} | {config.block_v} | {config.num_warps} |"
+              f" FAILED {str(error)[:300]} |", flush=True)
         continue
       step_us = call_ms * 1e3 / steps
       gbs = moved / (step_us * 1e-6) / 1e9
@@ -121,11 +130,13 @@ def main(argv=None) -> int:
         kernels = kernel_times(timed, passes=3).kernels
         gpu_step_us = sum(us for name, (_, us) in kernels.items()
                           if "gdn_fused_recurrent" in name) / steps
-      row = dict(preset=preset, block_v=config.block_v, num_warps=config.num_warps,
+      row = dict(preset=preset, state_layout=layout, block_v=config.block_v,
+                 num_warps=config.num_warps,
                  step_us=step_us, state_GBps=gbs, copy_GBps=copy_gbs, ratio=gbs / copy_gbs,
                  gpu_step_us=gpu_step_us, bytes=moved)
       results["rows"].append(row)
-      print(f"| {preset} | {config.block_v} | {config.num_warps} | {step_us:.1f} | {gbs:.0f} |"
+      print(f"| {preset} | {layout} | {config.block_v} | {config.num_warps} |"
+            f" {step_us:.1f} | {gbs:.0f} |"
             f" {gbs / copy_gbs:.2f} | {gpu_step_us:.1f} |", flush=True)
   report_command_and_json(results, args.json)
   return 0

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from pallas_kernels.dispatch import Implementation, resolve
 from pallas_kernels.gated_delta_rule.pallas import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.pallas_recurrent import (
+    STATE_LAYOUTS,
     RecurrentConfig,
     fused_recurrent_gated_delta_rule_pallas,
 )
@@ -43,6 +44,7 @@ GPU_DEFAULT = ("pallas", "xla")
 __all__ = [
     "ChunkConfig",
     "RecurrentConfig",
+    "STATE_LAYOUTS",
     "StatePassConfig",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
@@ -170,25 +172,35 @@ def chunk_gated_delta_rule(
 
 
 def _recurrent_xla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm,
-                   group):
+                   group, state_layout):
   """The reference recurrence; on a stacked state, token by token and one batch row of the group
   at a time, in place (read whole, XLA would copy the group's state out and back every step)."""
+  # A "vk" state is transposed around the reference's [.., K, V] steps (its own inverse).
+  as_kv = (lambda state: state) if state_layout == "kv" else (
+      lambda state: jnp.swapaxes(state, -1, -2))
   if group is None:
-    return naive_recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    o_BTHV, state = naive_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale,
+        initial_state=None if initial_state is None else as_kv(initial_state),
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    return o_BTHV, None if state is None else as_kv(state)
   q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, _ = _prepare_inputs(
       q, k, v, g, beta, None, scale, use_qk_l2norm)
 
   def one_row(fn):  # a batched step applied to one row's state [H, K, V] and inputs
     return lambda state_HKV, *inputs: fn(state_HKV[None], *(x[None] for x in inputs))[0]
 
+  def update(state_row, *inputs):
+    return as_kv(one_row(delta_rule_update)(as_kv(state_row), *inputs))
+
+  def output(state_row, *inputs):
+    return one_row(delta_rule_output)(as_kv(state_row), *inputs)
+
   def token(t, carry):
     o_BTHV, state = carry
     at_t = lambda *xs: tuple(jax.lax.dynamic_index_in_dim(x, t, 1, keepdims=False) for x in xs)
     o_BHV, state = update_group_rows(
-        state, group, one_row(delta_rule_update), at_t(k_BTHK, v_BTHV, g_BTH, beta_BTH),
-        one_row(delta_rule_output), at_t(q_BTHK))
+        state, group, update, at_t(k_BTHK, v_BTHV, g_BTH, beta_BTH), output, at_t(q_BTHK))
     return jax.lax.dynamic_update_index_in_dim(o_BTHV, o_BHV.astype(v.dtype), t, 1), state
 
   o_BTHV, state = jax.lax.fori_loop(0, q.shape[1], token,
@@ -208,6 +220,7 @@ def fused_recurrent_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     group: jax.Array | None = None,
+    state_layout: str = "kv",
     implementation: Implementation = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Gated delta rule stepped token by token, for decoding (typically T = 1).
@@ -218,18 +231,27 @@ def fused_recurrent_gated_delta_rule(
   group: int32 [] layer group to step when `initial_state` is stacked over the model's layer
     groups, [G, B, H, K, V] float32: the final state returned is then that stacked array with the
     group's state replaced (in place on a donated buffer); `output_final_state` must be True.
+  state_layout: "kv" (states [..., K, V], as above) or "vk" (initial and final states stored
+    transposed, [..., V, K]: the Pallas kernel's tiles are then contiguous, which makes a decoding
+    step read and write the state at the copy bandwidth; decode caches keep their state so).
   """
   op = "fused_recurrent_gated_delta_rule"
+  if state_layout not in STATE_LAYOUTS:
+    raise ValueError(f"{op}: state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+  state = initial_state
   if group is not None:
     if initial_state is None or not output_final_state:
       raise ValueError(f"{op}: group needs the stacked initial_state and output_final_state=True")
-    _validate(op, q, k, v, g, beta, per_group(op, "initial_state", initial_state, group, 4))
-  else:
-    _validate(op, q, k, v, g, beta, initial_state)
+    state = per_group(op, "initial_state", initial_state, group, 4)
+  if state is not None and state_layout == "vk" and getattr(state, "ndim", None) == 4:
+    # checked as the [B, H, K, V] state it stores transposed
+    state = jax.ShapeDtypeStruct((*state.shape[:2], state.shape[3], state.shape[2]), state.dtype)
+  _validate(op, q, k, v, g, beta, state)
   version = resolve(
       op, implementation,
       {"xla": _recurrent_xla, "pallas": fused_recurrent_gated_delta_rule_pallas},
       gpu_default=GPU_DEFAULT)
   return version(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
-      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, group=group)
+      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, group=group,
+      state_layout=state_layout)

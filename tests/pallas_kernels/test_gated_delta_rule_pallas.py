@@ -9,6 +9,7 @@ comparisons are those of test_gated_delta_rule.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,57 @@ def test_fused_recurrent_pallas_matches_float64_recurrence_and_decodes():
   assert_close(jnp.concatenate(outputs, axis=1), expected[0][:, :3], jnp.float32, name="decoded o")
 
 
+def with_kv_states(state_layout, *args, initial_state=None, **kwargs):
+  """fused_recurrent_gated_delta_rule on states of `state_layout`, taking and returning them as
+  [B, H, K, V] (so that `run` and `compare` apply to either layout, gradients included)."""
+  as_layout = (lambda x: x) if state_layout == "kv" else (lambda x: jnp.swapaxes(x, -1, -2))
+  o, state = fused_recurrent_gated_delta_rule(
+      *args, initial_state=None if initial_state is None else as_layout(initial_state),
+      state_layout=state_layout, **kwargs)
+  return o, None if state is None else as_layout(state)
+
+
+def test_fused_recurrent_pallas_on_a_transposed_state_matches_float64_recurrence():
+  """The "vk" layout's output, final state and every gradient (through the custom_vjp), T = 6."""
+  inputs = round_to(make_inputs(129, seq_len=6, key_dim=16, value_dim=32, normalized_keys=False),
+                    jnp.float32)
+  actual = run(functools.partial(with_kv_states, "vk"), inputs, jnp.float32, with_state=True,
+               use_qk_l2norm=True, implementation="pallas")
+  expected = run_reference(inputs, with_state=True, use_qk_l2norm=True)
+  compare(actual, expected, jnp.float32, "pallas fused_recurrent T=6, vk layout")
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_fused_recurrent_steps_a_transposed_state(implementation):
+  """state_layout="vk" takes and returns states stored as [..., V, K]: output and state equal the
+  "kv" layout's on the transposed state, stacked (only the stepped group changes) and plain, with
+  two V-blocks per head in the Pallas kernel and K != V (so a swapped axis shows)."""
+  inputs = round_to(make_inputs(128, seq_len=2, key_dim=16, value_dim=32, normalized_keys=False),
+                    jnp.float32)
+  args = [jnp.asarray(inputs[n], jnp.float32) for n in ARG_NAMES[:5]]
+  state_BHKV = jnp.asarray(inputs["initial_state"], jnp.float32)
+  stacked_GBHKV = jnp.stack([state_BHKV * 0.5, state_BHKV, state_BHKV * -2.0])
+  # The "vk" default config (block_v 16) steps V = 32 as two blocks.
+  step = lambda state, layout, group: fused_recurrent_gated_delta_rule(
+      *args, initial_state=state, output_final_state=True, use_qk_l2norm=True, group=group,
+      state_layout=layout, implementation=implementation)
+  transposed = lambda x: jnp.swapaxes(x, -1, -2)
+  group = jnp.asarray(1, jnp.int32)
+  o_kv, stacked_kv = step(stacked_GBHKV, "kv", group)
+  o_vk, stacked_vk = step(transposed(stacked_GBHKV), "vk", group)
+  assert stacked_vk.shape == (3, *state_BHKV.shape[:2], 32, 16)
+  assert_close(o_vk, o_kv, jnp.float32, name="o, vk layout")
+  assert_close(transposed(stacked_vk), stacked_kv, jnp.float32, name="state, vk layout")
+  np.testing.assert_array_equal(np.asarray(stacked_vk[0]), np.asarray(transposed(stacked_GBHKV[0])))
+  o_plain, state_plain = step(transposed(state_BHKV), "vk", None)
+  assert_close(o_plain, o_kv, jnp.float32, name="o, plain state, vk layout")
+  assert_close(transposed(state_plain), stacked_kv[1], jnp.float32, name="plain state, vk layout")
+  with pytest.raises(ValueError, match="state_layout"):
+    step(state_BHKV, "hv", None)
+  with pytest.raises(ValueError, match="initial_state must have shape"):
+    step(state_BHKV, "vk", None)  # a [B, H, K, V] state where [B, H, V, K] is due
+
+
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
 def test_fused_recurrent_pallas_prepares_bf16_inputs_in_the_kernel(use_qk_l2norm):
   """bf16 q, k, v (as a decoding step passes them) upcast, l2-normalised and scaled inside the
@@ -175,11 +227,12 @@ def test_chunk_pallas_on_gpu_matches_float64_recurrence(dtype):
 
 
 @pytest.mark.gpu
-def test_fused_recurrent_pallas_on_gpu_matches_float64_recurrence():
+@pytest.mark.parametrize("state_layout", ["kv", "vk"])
+def test_fused_recurrent_pallas_on_gpu_matches_float64_recurrence(state_layout):
   inputs = round_to(make_inputs(126, seq_len=64, batch=2, heads=4, key_dim=128, value_dim=128,
                                 normalized_keys=False), jnp.float32)
-  actual = run(fused_recurrent_gated_delta_rule, inputs, jnp.float32, with_state=True,
-               use_qk_l2norm=True, implementation="pallas")
+  actual = run(functools.partial(with_kv_states, state_layout), inputs, jnp.float32,
+               with_state=True, use_qk_l2norm=True, implementation="pallas")
   expected = run_reference(inputs, with_state=True, use_qk_l2norm=True)
-  compare(actual, expected, jnp.float32, "pallas GPU fused_recurrent T=64")
+  compare(actual, expected, jnp.float32, f"pallas GPU fused_recurrent T=64 {state_layout}")
 

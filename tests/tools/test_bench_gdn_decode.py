@@ -6,6 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from tests.tools import load_tool
 
 from pallas_kernels.gated_delta_rule import fused_recurrent_gated_delta_rule
@@ -17,19 +18,23 @@ def test_tiny_preset_sweep_rows_and_json(tmp_path, capsys):
   assert bench.main(["--presets", "lalte-tiny", "--batch", "2", "--rounds", "1", "--repeats", "1",
                      "--copy-mib", "4", "--sweep", "--json", str(output)]) == 0
   report = json.loads(output.read_text())
-  configs = [(r["block_v"], r["num_warps"]) for r in report["rows"]]
-  assert configs[0] == (32, 2) and len(set(configs)) == len(configs) == 16
+  configs = [(r["state_layout"], r["block_v"], r["num_warps"]) for r in report["rows"]]
+  assert configs[:2] == [("vk", 16, 1), ("kv", 32, 2)]
+  assert len(set(configs)) == len(configs) == 25
+  assert sum(layout == "vk" for layout, _, _ in configs) == 9
   layers, heads, key_dim, value_dim = bench.gdn_shapes("lalte-tiny")
   assert (layers, heads, key_dim, value_dim) == (2, 2, 32, 32)
   assert all(r["bytes"] > 2 * 2 * heads * key_dim * value_dim * 4 and r["ratio"] > 0
              for r in report["rows"])
-  assert "| lalte-tiny | 32 | 2 |" in capsys.readouterr().out
+  assert "| lalte-tiny | kv | 32 | 2 |" in capsys.readouterr().out
 
 
-def test_looped_steps_step_each_layer_in_turn():
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_looped_steps_step_each_layer_in_turn(layout):
   bench = load_tool("bench_gdn_decode")
   token, state, _ = bench.step_inputs("lalte-tiny", 2, jax.random.key(0))
-  timed = bench.looped_steps(token, state + 0, bench.RecurrentConfig(), rounds=2)
+  timed = bench.looped_steps(token, state + 0, bench.DEFAULT_CONFIGS[layout], rounds=2,
+                             state_layout=layout)
   o = timed.fn(*timed.input_sets[0])
   q, k, v, g, beta = token
   want_state, want_o = state, jnp.zeros(v.shape)
