@@ -70,7 +70,7 @@ def synthetic_layer_cache(kind: str, config, layer_cache, context: int, key: jax
     return GDNCache(conv_q_BKC=filled(layer_cache.conv_q_BKC, 0.01),
                     conv_k_BKC=filled(layer_cache.conv_k_BKC, 0.01),
                     conv_v_BKC=filled(layer_cache.conv_v_BKC, 0.01),
-                    state_BHKV=filled(layer_cache.state_BHKV, 0.001))
+                    state_BHVK=filled(layer_cache.state_BHVK, 0.001))
   if kind in ("attention", "nsa"):
     # SWA ring (full once context >= window), full cache (first L slots valid) or NSA's keys and
     # block means: the zeros of init_cache serve as keys (a step's cost does not depend on them;

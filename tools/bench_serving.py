@@ -113,7 +113,7 @@ def _layer_cache_bytes(kind: str, config, layer_cache, context: int) -> int:
   """Bytes one decode step moves for one layer's cache (all groups, all rows) after `context`
   tokens: reads, plus the GDN state's write."""
   if isinstance(layer_cache, caches.GDNCache):
-    return caches.cache_bytes(layer_cache) + caches.cache_bytes(layer_cache.state_BHKV)
+    return caches.cache_bytes(layer_cache) + caches.cache_bytes(layer_cache.state_BHVK)
   if isinstance(layer_cache, caches.NSACache):
     nsa = config.nsa
     slots = layer_cache.k_BSKD.shape[-3]

@@ -8,7 +8,8 @@ Per layer kind (`B` batch, `G` = number of layer groups; every leaf of a layer c
 leading `[G]` axis because the model scans over stacked groups):
 - GDN: a ring of the last `conv_size` pre-activation q/k/v projections, the input at padded index
   p in slot `p % conv_size` (what the causal conv reads; zeros before the first token and at
-  pads), and the float32 recurrent state `[B,H,Dk,Dv]`. Constant size. A decode step writes the
+  pads), and the float32 recurrent state stored transposed, `[B,H,Dv,Dk]` (the layout in which
+  the decode kernel reads and writes it at the copy bandwidth). Constant size. A decode step writes the
   new token's inputs over the oldest ones (which the filter no longer reads), then reads the ring.
 - SWA: a ring of `window_size` post-RoPE keys and values; the key at padded index p lives in slot
   `p % window_size`. Constant size.
@@ -43,7 +44,7 @@ class GDNCache:
   conv_q_BKC: jax.Array  # [B, conv_size, key_dim] pre-activation q projections, ring by index
   conv_k_BKC: jax.Array  # [B, conv_size, key_dim]
   conv_v_BKC: jax.Array  # [B, conv_size, value_dim]
-  state_BHKV: jax.Array  # [B, H, Dk, Dv] float32
+  state_BHVK: jax.Array  # [B, H, Dv, Dk] float32: the recurrent state, transposed
 
 
 @flax.struct.dataclass
@@ -156,7 +157,7 @@ def _gdn_cache(config: ModelConfig, batch: int) -> GDNCache:
       conv_q_BKC=jnp.zeros((batch, taps, key_dim), dtype),
       conv_k_BKC=jnp.zeros((batch, taps, key_dim), dtype),
       conv_v_BKC=jnp.zeros((batch, taps, value_dim), dtype),
-      state_BHKV=jnp.zeros((batch, gdn.num_heads, gdn.head_dim, gdn.value_dim), jnp.float32))
+      state_BHVK=jnp.zeros((batch, gdn.num_heads, gdn.value_dim, gdn.head_dim), jnp.float32))
 
 
 def _kv(batch: int, slots: int, heads: int, head_dim: int, dtype) -> tuple[jax.Array, jax.Array]:

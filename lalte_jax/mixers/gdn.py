@@ -5,7 +5,8 @@ g = -exp(A_log) * softplus(a_proj x + dt_bias) (natural-log decay, float32), the
 with q/k l2-normalised inside the kernel, then a per-head RMSNorm gated by SiLU(g_proj x), o_proj.
 
 Decoding carries the cache `GDNCache`: rings of the last `conv_size` conv inputs of q, k and v and
-the float32 recurrent state. `prefill` runs the chunked rule over the prompt and fills the cache;
+the float32 recurrent state, stored transposed ([B, H, V, K]: the decode kernel's tiles are then
+contiguous). `prefill` runs the chunked rule over the prompt and fills the cache;
 `decode` steps one token on the layer group's part of the stacked cache (`GroupSlot` leaves),
 in place. A layer prepared by `fuse_decode_projections` (as `inference.stack.split_groups`
 prepares the GPU's layer groups) decodes with its six input projections (q, k, v, g, a, b) as one
@@ -216,9 +217,9 @@ class GatedDeltaNet(nnx.Module):
     batch, length = h_BTD.shape[:2]
     channels = (gdn.num_heads * gdn.head_dim,) * 2 + (gdn.num_heads * gdn.value_dim,)
     tails = tuple(jnp.zeros((batch, gdn.conv_size, width), h_BTD.dtype) for width in channels)
+    state_BHKV = jnp.swapaxes(cache.state_BHVK, -1, -2)
     if ctx.chunk_tokens is None or length <= ctx.chunk_tokens:
-      (state_BHKV, tails), out_BTD = self._prefill_span(norm(h_BTD), (cache.state_BHKV, tails),
-                                                        ctx)
+      (state_BHKV, tails), out_BTD = self._prefill_span(norm(h_BTD), (state_BHKV, tails), ctx)
       h_BTD = h_BTD + out_BTD
     else:
       def body(start, size, carry):
@@ -231,9 +232,11 @@ class GatedDeltaNet(nnx.Module):
                                                                axis=1)
 
       (state_BHKV, tails), h_BTD = chunking.chunk_loop(
-          body, ((cache.state_BHKV, tails), h_BTD), length, ctx.chunk_tokens)
+          body, ((state_BHKV, tails), h_BTD), length, ctx.chunk_tokens)
     rings = tuple(ring_from_tail(tail_BRC, length) for tail_BRC in tails)
-    return h_BTD, GDNCache(*rings, state_BHKV=state_BHKV.astype(jnp.float32))
+    # The transposition fuses into the copy that stacks the layer's cache over the groups.
+    state_BHVK = jnp.swapaxes(state_BHKV, -1, -2).astype(jnp.float32)
+    return h_BTD, GDNCache(*rings, state_BHVK=state_BHVK)
 
   def _prefill_span(self, x_BTD: jax.Array, carry: tuple, ctx: StepContext) -> tuple:
     """The layer over one span of the prompt: (state, last conv_size conv inputs of q, k, v) ->
@@ -274,11 +277,10 @@ class GatedDeltaNet(nnx.Module):
     convolved = [conv(x_B1C, jnp.roll(ring.read(), -oldest, axis=1)[:, :-1])
                  for conv, x_B1C, ring in zip((self.q_conv, self.k_conv, self.v_conv), inputs,
                                               rings)]
-    state = cache.state_BHKV
+    state = cache.state_BHVK
     o_B1HV, stacked_state = fused_recurrent_gated_delta_rule(
         *self._rule_inputs(convolved, self.gates_from(a_B1H, b_B1H), ctx),
-        initial_state=state.stacked,
-        output_final_state=True, use_qk_l2norm=True, group=state.group,
-        implementation=gdn.implementation)
+        initial_state=state.stacked, output_final_state=True, use_qk_l2norm=True,
+        group=state.group, state_layout="vk", implementation=gdn.implementation)
     return (self.output_from(o_B1HV, gate_B1C),
             GDNCache(*rings, state.replace(stacked=stacked_state)))
