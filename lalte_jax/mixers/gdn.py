@@ -234,7 +234,8 @@ class GatedDeltaNet(nnx.Module):
       (state_BHKV, tails), h_BTD = chunking.chunk_loop(
           body, ((state_BHKV, tails), h_BTD), length, ctx.chunk_tokens)
     rings = tuple(ring_from_tail(tail_BRC, length) for tail_BRC in tails)
-    # The transposition fuses into the copy that stacks the layer's cache over the groups.
+    # One transposition of the state per prompt, for the decode kernel's layout (lalte-1.4b's
+    # prefill of 32 x 4096 tokens: 193,911 tokens/s with it, 193,584-194,745 before, one H200).
     state_BHVK = jnp.swapaxes(state_BHKV, -1, -2).astype(jnp.float32)
     return h_BTD, GDNCache(*rings, state_BHVK=state_BHVK)
 
