@@ -40,7 +40,7 @@
 #   batches    the training step at the per-device batches bench_train picks from (the fastest
 #              that fits marked), routers at 12.5% kept: gdn_swa-0.4b and lalte-0.4b at 8, 12
 #              and 16 (each batch a process compiling its unrolled step: ~65 s a row; ~7 min)
-#   batches14  the same for gdn_swa-1.4b and lalte-1.4b at 4 and 8 (~5 min)
+#   batches14  the same for gdn_swa-1.4b and lalte-1.4b at 4 and 8 (~7 min)
 #   ltesweep   LTE training attention's backward blocks at a lalte-0.4b layer (16 query heads over
 #              16 KV heads, window 769, 512 kept per KV head: routers at 12.5%), B8 T4096, with
 #              the kept-list dk/dv split into query chunks among the candidates (~4 min)
@@ -74,6 +74,9 @@
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
 #              and with XLA's default CUDA-graph size, then the GDN recurrent step's launch
 #              parameters against the copy (tools/bench_gdn_decode.py --sweep) (~6 min)
+#   decodematmul a decode step's MLPs at 1, 2, 8 and 16 rows: the fused decode_matmul kernels
+#              (residual add + RMSNorm, SwiGLU product) against XLA's unfused ops, over the
+#              kernel's launch parameters (tools/bench_decode_matmul.py --sweep; ~5 min)
 #   nsadecode  NSA decoding: the decode kernels' GPU parity tests, the decode attention's timings
 #              at 4K-64K (tools/bench_nsa.py) and the lansa-1.4b decode step at 4K and 64K (~5 min)
 #   nsatrain   NSA training: the NSA GPU parity tests, our kernels per launch-parameter candidate
@@ -90,7 +93,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|decodematmul|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -106,7 +109,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|decodematmul|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -267,7 +270,7 @@ case "$stage" in
       --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_0_4b.json"
     ;;
   batches14)
-    step 300 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 4 8 \
+    step 450 python3 tools/bench_train.py --presets gdn_swa-1.4b lalte-1.4b --batch 4 8 \
       --steps 5 --warmup 2 --lte_kept_fraction 0.125 --json "$dest/train_1_4b.json"
     ;;
   layercopies)
@@ -370,8 +373,12 @@ SUMMARY
         --json "$dest/decode_b${batch}_graphs5.json"
     done
     # The GDN layer's recurrent step alone against the copy, over its launch parameters.
-    step 120 python3 tools/bench_gdn_decode.py --presets lalte-1.4b --sweep \
+    step 180 python3 tools/bench_gdn_decode.py --presets lalte-1.4b --sweep \
       --json "$dest/gdn_decode.json"
+    ;;
+  decodematmul)
+    step 400 python3 tools/bench_decode_matmul.py --rows 2 1 8 16 --sweep \
+      --json "$dest/decode_matmul.json"
     ;;
   nsadecode)
     step 200 python3 -m pytest -q -m gpu tests/pallas_kernels/test_nsa_pallas.py -k decode \
