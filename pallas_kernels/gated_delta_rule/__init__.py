@@ -16,6 +16,7 @@ and writes the new one back into the stacked buffer, in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from pallas_kernels.gated_delta_rule.pallas_recurrent import (
 from pallas_kernels.gated_delta_rule.pallas_state_pass import StatePassConfig
 from pallas_kernels.gated_delta_rule.reference import (
     _prepare_inputs,
+    as_key_value,
     chunk_gated_delta_rule_reference,
     delta_rule_output,
     delta_rule_update,
@@ -175,15 +177,13 @@ def _recurrent_xla(q, k, v, g, beta, *, scale, initial_state, output_final_state
                    group, state_layout):
   """The reference recurrence; on a stacked state, token by token and one batch row of the group
   at a time, in place (read whole, XLA would copy the group's state out and back every step)."""
-  # A "vk" state is transposed around the reference's [.., K, V] steps (its own inverse).
-  as_kv = (lambda state: state) if state_layout == "kv" else (
-      lambda state: jnp.swapaxes(state, -1, -2))
+  # A "vk" state is transposed around the reference's [.., K, V] steps.
+  as_kv = functools.partial(as_key_value, state_layout=state_layout)
   if group is None:
     o_BTHV, state = naive_recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale=scale,
-        initial_state=None if initial_state is None else as_kv(initial_state),
+        q, k, v, g, beta, scale=scale, initial_state=as_kv(initial_state),
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
-    return o_BTHV, None if state is None else as_kv(state)
+    return o_BTHV, as_kv(state)
   q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, _ = _prepare_inputs(
       q, k, v, g, beta, None, scale, use_qk_l2norm)
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta_rule.reference import (
+    as_key_value,
     compute_dtype,
     l2_normalize,
     naive_recurrent_gated_delta_rule,
@@ -188,8 +189,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, 
 
 def _fused_recurrent_bwd(scale, use_qk_l2norm, config, state_layout, residuals, cotangents):
   del config
-  as_kv = (lambda state: state) if state_layout == "kv" else (
-      lambda state: jnp.swapaxes(state, -1, -2))  # its own inverse
+  as_kv = functools.partial(as_key_value, state_layout=state_layout)
 
   def reference(*args):
     o, state = naive_recurrent_gated_delta_rule(

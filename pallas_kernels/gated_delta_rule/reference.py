@@ -135,6 +135,14 @@ def _prepare_inputs(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
   return q_BTHK, k_BTHK, v.astype(dtype), g.astype(dtype), beta.astype(dtype), state_BHKV
 
 
+def as_key_value(state: jax.Array | None, state_layout: str) -> jax.Array | None:
+  """A state of `state_layout` ("kv": [..., K, V]; "vk": [..., V, K]) as [..., K, V]; for "vk" a
+  transposition, its own inverse (so it also turns a [..., K, V] state back into "vk")."""
+  if state is None or state_layout == "kv":
+    return state
+  return jnp.swapaxes(state, -1, -2)
+
+
 def delta_rule_update(state_BHKV: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BH: jax.Array,
                       beta_BH: jax.Array) -> jax.Array:
   """The state after one token, in the delta-rule form S = a S;  u = beta (v - S^T k);
