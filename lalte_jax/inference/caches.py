@@ -9,8 +9,9 @@ leading `[G]` axis because the model scans over stacked groups):
 - GDN: a ring of the last `conv_size` pre-activation q/k/v projections, the input at padded index
   p in slot `p % conv_size` (what the causal conv reads; zeros before the first token and at
   pads), and the float32 recurrent state stored transposed, `[B,H,Dv,Dk]` (the layout in which
-  the decode kernel reads and writes it at the copy bandwidth). Constant size. A decode step writes the
-  new token's inputs over the oldest ones (which the filter no longer reads), then reads the ring.
+  the decode kernel reads and writes it at the copy bandwidth). Constant size. A decode step
+  writes the new token's inputs over the oldest ones (which the filter no longer reads), then
+  reads the ring.
 - SWA: a ring of `window_size` post-RoPE keys and values; the key at padded index p lives in slot
   `p % window_size`. Constant size.
 - Full attention: keys and values preallocated to `max_length` padded indices (slot = padded index).

@@ -75,8 +75,9 @@ class ChunkConfig:
           f" {type(self.state_pass).__name__}")
 
 
-def _validate(op_name, q, k, v, g, beta, initial_state) -> None:
-  """Raises ValueError naming the first argument whose rank, shape or dtype is wrong."""
+def _validate(op_name, q, k, v, g, beta, initial_state, state_layout="kv") -> None:
+  """Raises ValueError naming the first argument whose rank, shape or dtype is wrong (the state's
+  last two axes in the order `state_layout` gives)."""
   arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
   if initial_state is not None:
     arrays["initial_state"] = initial_state
@@ -87,7 +88,8 @@ def _validate(op_name, q, k, v, g, beta, initial_state) -> None:
       raise ValueError(f"{op_name}: {name} must have a floating dtype, got {array.dtype}")
   expected_rank = {"q": 4, "k": 4, "v": 4, "g": 3, "beta": 3, "initial_state": 4}
   layout = {"q": "[B,T,H,K]", "k": "[B,T,H,K]", "v": "[B,T,H,V]", "g": "[B,T,H]",
-            "beta": "[B,T,H]", "initial_state": "[B,H,K,V]"}
+            "beta": "[B,T,H]", "initial_state": f"[B,H,{state_layout.upper()[0]},"
+                                                    f"{state_layout.upper()[1]}]"}
   for name, array in arrays.items():
     if array.ndim != expected_rank[name]:
       raise ValueError(
@@ -102,7 +104,8 @@ def _validate(op_name, q, k, v, g, beta, initial_state) -> None:
       "v": (batch, seq_len, heads, value_dim),
       "g": (batch, seq_len, heads),
       "beta": (batch, seq_len, heads),
-      "initial_state": (batch, heads, key_dim, value_dim),
+      "initial_state": (batch, heads) + ((key_dim, value_dim) if state_layout == "kv" else
+                                         (value_dim, key_dim)),
   }
   for name, shape in expected_shape.items():
     if name in arrays and tuple(arrays[name].shape) != shape:
@@ -243,10 +246,7 @@ def fused_recurrent_gated_delta_rule(
     if initial_state is None or not output_final_state:
       raise ValueError(f"{op}: group needs the stacked initial_state and output_final_state=True")
     state = per_group(op, "initial_state", initial_state, group, 4)
-  if state is not None and state_layout == "vk" and getattr(state, "ndim", None) == 4:
-    # checked as the [B, H, K, V] state it stores transposed
-    state = jax.ShapeDtypeStruct((*state.shape[:2], state.shape[3], state.shape[2]), state.dtype)
-  _validate(op, q, k, v, g, beta, state)
+  _validate(op, q, k, v, g, beta, state, state_layout)
   version = resolve(
       op, implementation,
       {"xla": _recurrent_xla, "pallas": fused_recurrent_gated_delta_rule_pallas},

@@ -173,7 +173,8 @@ def test_fused_recurrent_steps_a_transposed_state(implementation):
   assert_close(transposed(state_plain), stacked_kv[1], jnp.float32, name="plain state, vk layout")
   with pytest.raises(ValueError, match="state_layout"):
     step(state_BHKV, "hv", None)
-  with pytest.raises(ValueError, match="initial_state must have shape"):
+  with pytest.raises(ValueError, match=r"initial_state must have shape \[B,H,V,K\] = \(2, 2, 32,"
+                     r" 16\)"):
     step(state_BHKV, "vk", None)  # a [B, H, K, V] state where [B, H, V, K] is due
 
 
