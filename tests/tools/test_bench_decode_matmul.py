@@ -15,17 +15,17 @@ from lalte_jax.layers.norms import rms_norm
 def test_tiny_preset_sweep_rows_and_json(tmp_path, capsys):
   bench = load_tool("bench_decode_matmul")
   output = tmp_path / "matmul.json"
-  assert bench.main(["--preset", "lalte-tiny", "--rows", "2", "3", "--repeats", "1",
+  assert bench.main(["--preset", "lalte-tiny", "--rows", "3", "--repeats", "1",
                      "--copy-mib", "4", "--sweep", "--json", str(output)]) == 0
   report = json.loads(output.read_text())
-  assert [r["rows"] for r in report["rows"]] == [2] * 13 + [3] * 13
+  assert [r["rows"] for r in report["rows"]] == [3] * 13
   assert all(r["fused_ms"] > 0 and r["xla_ms"] > 0 and r["fused_of_copy"] > 0
              for r in report["rows"])
   config = get_model_config("lalte-tiny")
   assert report["weight_bytes"] == (config.num_layers * 3 * config.hidden_size
                                     * config.intermediate_size * 2 + config.num_layers
                                     * config.hidden_size * 2)
-  assert "| 2 | 64 | 256 | 4 | 3 |" in capsys.readouterr().out
+  assert "| 3 | 64 | 256 | 4 | 3 |" in capsys.readouterr().out
 
 
 def test_chain_is_the_models_mlp_residual_blocks():
