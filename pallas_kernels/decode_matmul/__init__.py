@@ -20,9 +20,10 @@ from pallas_kernels.dispatch import Implementation, resolve
 
 __all__ = ["DecodeMatmulConfig", "GPU_DEFAULT", "MAX_ROWS", "decode_matmul"]
 
-# What implementation=None runs on a GPU: the kernel; more than MAX_ROWS rows, sizes that are not
-# multiples of 16 or mixed dtypes go to "xla".
-GPU_DEFAULT = ("pallas", "xla")
+# What implementation=None runs on a GPU: XLA until the kernel has been measured against it at a
+# decode step's rows (`tools/bench_decode_matmul.py`); "pallas" takes at most MAX_ROWS rows, sizes
+# that are multiples of 16 and one dtype, and hands other inputs on.
+GPU_DEFAULT = ("xla",)
 
 
 def _check(x_MX, w_KN, residual_MK, norm_weight_K, swiglu) -> None:

@@ -7,7 +7,8 @@ Prologues (the op that produces the projection's input a from x):
             a = h / sqrt(mean(h^2) + eps) * norm_weight in float32, rounded to x's dtype
             (`lalte_jax.layers.norms.rms_norm`); h is returned for the next add.
 - SwiGLU:   x is [M, 2K], gate then up: a = SiLU(gate) * up.
-The projection accumulates in float32 and rounds to x's dtype.
+The projection is the plain dot in x's dtype, as `nnx.Linear` computes it (XLA accumulates bf16
+products in float32 on the GPU; the Pallas kernel does the same).
 """
 
 from __future__ import annotations
@@ -37,5 +38,4 @@ def decode_matmul(x_MX: jax.Array, w_KN: jax.Array, residual_MK: jax.Array | Non
   """(y = prologue(x) @ w [M, N] in x's dtype, h or None): see the module doc."""
   a_MK, h_MK = prologue(x_MX, residual_MK=residual_MK, norm_weight_K=norm_weight_K, eps=eps,
                         swiglu=swiglu)
-  y_MN = jnp.dot(a_MK, w_KN.astype(a_MK.dtype), preferred_element_type=jnp.float32)
-  return y_MN.astype(x_MX.dtype), h_MK
+  return jnp.dot(a_MK, w_KN.astype(a_MK.dtype)), h_MK
