@@ -7,7 +7,7 @@ unfused ops, chained over a preset's layers, against the copy bandwidth measured
 Each layer: h = h + delta; gate|up = RMSNorm(h) @ [W_gate | W_up]; delta = (SiLU(gate) * up) @
 W_down, as two `decode_matmul` calls (the add and norm in the first projection's kernel, the
 SwiGLU product in the second's), against the same math as XLA runs it ("xla": the add, norm and
-product as their own kernels, as the model's decode step runs them today). The layers are
+product as their own kernels; the decode step's path while decode_matmul's GPU default is XLA). The layers are
 unrolled in one jitted call (weights as separate arrays, as `generate` holds its layer groups'),
 the output of each feeding the next, so launches follow one another as in a decode step. The two
 versions are timed in alternation (`pallas_kernels.benchmarking.paired_ms`), then the looped copy
