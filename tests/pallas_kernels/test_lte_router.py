@@ -61,8 +61,12 @@ def _definition(k, v, weights, biases, proj_weight, proj_bias, seeds, *, dilatio
 
 
 def _value_and_grads(fn, args, cotangent):
-  out, vjp = jax.vjp(fn, *args)
-  return [out] + jax.tree.leaves(vjp(cotangent.astype(out.dtype)))
+  # One compiled program: run eagerly, every op of the definition's taps and of the router's
+  # backward would lower and compile on its own, most of this module's time on a CPU.
+  def value_and_grads(args, cotangent):
+    out, vjp = jax.vjp(fn, *args)
+    return [out] + jax.tree.leaves(vjp(cotangent.astype(out.dtype)))
+  return jax.jit(value_and_grads)(args, cotangent)
 
 
 def _check(dtype, length, taps, dilations, rate, row_offset=0, factor=1.0, implementation="xla"):
@@ -131,10 +135,16 @@ def test_no_read_across_rows(implementation):
   run = lambda k, v: router_logits(k, v, *params, seeds, dilations=(2, 2, 2), rate=0.1,
                                    implementation=implementation)
   cotangent = jnp.asarray(cotangent, jnp.float32).at[1].set(0.0)
-  clean, clean_vjp = jax.vjp(run, k, v)
-  poisoned, vjp = jax.vjp(run, k.at[1].set(jnp.nan), v.at[1].set(jnp.nan))
+
+  @jax.jit  # the same program for both inputs, compiled once
+  def value_and_grads(k, v):
+    out, vjp = jax.vjp(run, k, v)
+    return out, vjp(cotangent)
+
+  clean, clean_grads = value_and_grads(k, v)
+  poisoned, grads = value_and_grads(k.at[1].set(jnp.nan), v.at[1].set(jnp.nan))
   np.testing.assert_array_equal(np.asarray(poisoned[0]), np.asarray(clean[0]))
-  for got, want in zip(vjp(cotangent), clean_vjp(cotangent)):
+  for got, want in zip(grads, clean_grads):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
@@ -301,13 +311,14 @@ def test_settled_logit_is_the_centre_of_the_masked_router(dtype, batch, taps, di
   k, v, real, params = _span_inputs(batch, taps, dilations)
   centre = k.shape[1] // 2
   with float64():
-    want = router_logits(jnp.asarray(k), jnp.asarray(v),
-                         *(jax.tree.map(jnp.asarray, p) for p in params), None,
-                         dilations=dilations, rate=0.0, mask_BT=jnp.asarray(real),
-                         implementation="xla")[:, centre]
+    want = jax.jit(lambda k, v, real, *params: router_logits(
+        k, v, *params, None, dilations=dilations, rate=0.0, mask_BT=real,
+        implementation="xla"))(jnp.asarray(k), jnp.asarray(v), jnp.asarray(real),
+                               *(jax.tree.map(jnp.asarray, p) for p in params))[:, centre]
   params = [jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p) for p in params]
-  got = settled_logit(jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(real),
-                      *params, dilations=dilations)
+  got = jax.jit(lambda k, v, real, *params: settled_logit(k, v, real, *params,
+                                                          dilations=dilations))(
+      jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(real), *params)
   assert got.shape == (batch, HEADS) and got.dtype == jnp.float32
   assert_close(got, want, dtype, factor=2.0 if dtype == jnp.bfloat16 else 1.0, name="logit")
 

@@ -54,7 +54,7 @@ def _outputs_and_grads(attention_fn, q, k, v, do, **kwargs):
     o = attention_fn(q, k, v, **kwargs)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
-  (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   return (o,) + grads
 
 
