@@ -25,22 +25,35 @@ def prepared_copy(layer):
   return prepared
 
 
+# Prefill and decode steps run jitted, as in generation (op by op, each small op of the layer
+# would lower and compile on its own).
+@nnx.jit
+def prefill(layer, x_BTD, valid_BT, cache):
+  """(h - x, cache) of the layer's prefill of a left-padded prompt."""
+  return layer.prefill(x_BTD, lambda h: h, cache, StepContext.for_prompt(valid_BT))
+
+
 def prefilled_cache(layer, x_BTD, valid_BT):
   """The layer's cache after a left-padded prompt."""
   empty = caches._gdn_cache(layer.config, x_BTD.shape[0])  # pylint: disable=protected-access
-  _, cache = layer.prefill(x_BTD, lambda h: h, empty, StepContext.for_prompt(valid_BT))
-  return cache
+  return prefill(layer, x_BTD, valid_BT, empty)[1]
+
+
+@nnx.jit
+def decode_step(layer, x_B1D, cache, pad_count_B, position):
+  ctx = StepContext(valid_BT=jnp.ones((x_B1D.shape[0], 1), bool), pad_count_B=pad_count_B,
+                    position=position)
+  out_B1D, view = layer.decode(x_B1D, view_of_plain(cache), ctx)
+  return out_B1D, plain_of_view(view)
 
 
 def decode_tokens(layer, x_BND, cache, pad_count_B, prompt_length):
   """Outputs [B, N, D] and the cache after decoding x's N tokens one at a time."""
   outputs = []
   for n in range(x_BND.shape[1]):
-    ctx = StepContext(valid_BT=jnp.ones((x_BND.shape[0], 1), bool), pad_count_B=pad_count_B,
-                      position=jnp.asarray(prompt_length + n, jnp.int32))
-    out_B1D, view = layer.decode(x_BND[:, n:n + 1], view_of_plain(cache), ctx)
+    out_B1D, cache = decode_step(layer, x_BND[:, n:n + 1], cache, pad_count_B,
+                                 jnp.asarray(prompt_length + n, jnp.int32))
     outputs.append(out_B1D)
-    cache = plain_of_view(view)
   return jnp.concatenate(outputs, axis=1), cache
 
 
@@ -84,7 +97,7 @@ def test_fused_decode_gives_the_prefill_of_the_whole_sequence():
   x_BSD = jnp.concatenate([x_BTD, x_BND], axis=1)
   valid_BS = jnp.concatenate([valid_BT, jnp.ones((2, STEPS), bool)], axis=1)
   empty = caches._gdn_cache(layer.config, 2)  # pylint: disable=protected-access
-  h_BSD, whole = layer.prefill(x_BSD, lambda h: h, empty, StepContext.for_prompt(valid_BS))
+  h_BSD, whole = prefill(layer, x_BSD, valid_BS, empty)
   assert_trees_close((out_BND, decoded), ((h_BSD - x_BSD)[:, PROMPT:], whole), 1e-5)
 
 

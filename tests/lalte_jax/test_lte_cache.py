@@ -28,13 +28,19 @@ def tiny_config(name="lalte-tiny", dtype="float32", **lte_changes):
   return config
 
 
+def layer_forward(layer, x_BTD):
+  """layer(x_BTD) -> (out, score), the training-time layer as one compiled program (called op by
+  op, each of its small ops would lower and compile on its own)."""
+  return nnx.jit(lambda layer, x: layer(x))(layer, x_BTD)
+
+
 def set_keep_fraction(layer, x_BTD, fraction):
   """Shifts the router's final bias so that about `fraction` of x's tokens get score > 0.
 
   The threshold sits halfway between two neighbouring logits, so no score is near 0 and the
   keep/drop decisions are robust to the rounding differences between the code paths.
   """
-  _, score = layer(x_BTD)
+  _, score = layer_forward(layer, x_BTD)
   score = np.asarray(score, np.float64).reshape(-1, score.shape[-1])
   logit = np.log((score + 0.5) / (0.5 - score))
   ordered = np.sort(logit, axis=0)[::-1]
@@ -143,7 +149,7 @@ def test_teacher_forcing_matches_training_layer_below_the_cap(name, prefix):
   layer = LTEAttention(config, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 120, config.hidden_size))
   set_keep_fraction(layer, x, 0.2)
-  expected, score = layer(x)
+  expected, score = layer_forward(layer, x)
   lte = config.lte
   # Every token kept out of the window fits the cap: sinks plus positive scores before T - W.
   out_of_window = np.array(score[:, :120 - lte.window_keys] > 0)
@@ -304,8 +310,8 @@ def test_every_token_leaves_the_window_with_its_full_context_score(prefix, pads)
   for b, pad in enumerate(pads):
     real[b, :pad] = False
   # Ground truth: the router over the whole sequence (eval mode, padding masked).
-  _, k_pre, v = layer.proj.qkv(x)
-  full_score = np.asarray(layer.router(k_pre, v, mask_BT=jnp.asarray(real)))
+  full_score = np.asarray(nnx.jit(lambda layer, x, mask: layer.router(
+      *layer.proj.qkv(x)[1:], mask_BT=mask))(layer, x, jnp.asarray(real)))
   real_index = np.cumsum(real, axis=1) - 1
   full_score = np.where((real & (real_index < lte.num_sinks))[..., None], np.inf, full_score)
   full_score = np.where(real[..., None], full_score, -np.inf)

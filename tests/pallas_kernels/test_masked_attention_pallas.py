@@ -54,6 +54,7 @@ def _outputs_and_grads(attention_fn, q, k, v, do, **kwargs):
     o = attention_fn(q, k, v, **kwargs)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
+  # Jitted: op by op, each small op (and the interpreted kernels) would lower and compile alone.
   (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   return (o,) + grads
 

@@ -45,7 +45,8 @@ def _loss(implementation, dtype, blocks=SMALL):
 
 def _float64_gradients(x, w, dy):
   with float64():
-    value_and_grad = jax.value_and_grad(_loss("xla", jnp.float64), argnums=(0, 1))
+    # Jitted here and below: op by op, each small op would lower and compile on its own.
+    value_and_grad = jax.jit(jax.value_and_grad(_loss("xla", jnp.float64), argnums=(0, 1)))
     return jax.tree.map(np.asarray, value_and_grad(jnp.asarray(x), jnp.asarray(w),
                                                    jnp.asarray(dy)))
 
@@ -68,13 +69,14 @@ def test_pallas_matches_float64(batch, length, channels, taps, dtype):
   x, w, dy = _inputs(batch, length, channels, taps, seed=length)
   expected_y = _definition(x, w)
   _, (expected_dx, expected_dw) = _float64_gradients(x, w, dy)
-  y = short_conv_silu(jnp.asarray(x, dtype), jnp.asarray(w, jnp.float32),
-                      implementation="pallas", blocks=SMALL)
+  y = jax.jit(lambda x, w: short_conv_silu(x, w, implementation="pallas", blocks=SMALL))(
+      jnp.asarray(x, dtype), jnp.asarray(w, jnp.float32))
   assert y.dtype == dtype and y.shape == x.shape
   assert_close(y, expected_y, dtype, name="output")
   loss = _loss("pallas", dtype)
-  dx, dw = jax.grad(lambda x, w: loss(x, w, jnp.asarray(dy, jnp.float32)), argnums=(0, 1))(
-      jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+  dx, dw = jax.jit(jax.grad(lambda x, w: loss(x, w, jnp.asarray(dy, jnp.float32)),
+                            argnums=(0, 1)))(jnp.asarray(x, jnp.float32),
+                                             jnp.asarray(w, jnp.float32))
   assert dw.dtype == jnp.float32 and dw.shape == w.shape
   assert_close(dx, expected_dx, dtype, name="dx")
   assert_close(dw, expected_dw, dtype, name="dw")
@@ -84,7 +86,8 @@ def test_default_blocks_match_float64():
   x, w, dy = _inputs(2, 300, 256, 4, seed=3)
   _, (expected_dx, expected_dw) = _float64_gradients(x, w, dy)
   loss = _loss("pallas", jnp.float32, ShortConvBlocks())
-  dx, dw = jax.grad(loss, argnums=(0, 1))(*(jnp.asarray(a, jnp.float32) for a in (x, w, dy)))
+  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+      *(jnp.asarray(a, jnp.float32) for a in (x, w, dy)))
   assert_close(dx, expected_dx, jnp.float32, name="dx")
   assert_close(dw, expected_dw, jnp.float32, name="dw")
 
@@ -97,7 +100,7 @@ def test_nan_in_another_row_reaches_no_output():
   assert_close(conv(jnp.asarray(x, jnp.float32))[0], _definition(x[:1], w)[0], jnp.float32)
   # Row 0's input gradient from its own output (the weight gradient sums every row, so it is NaN
   # with the reference too).
-  dx = jax.grad(lambda x: jnp.sum(conv(x)[0] * jnp.asarray(dy[0], jnp.float32)))(
+  dx = jax.jit(jax.grad(lambda x: jnp.sum(conv(x)[0] * jnp.asarray(dy[0], jnp.float32))))(
       jnp.asarray(x, jnp.float32))
   expected_dx = _float64_gradients(x[:1], w, dy[:1])[1][0]
   assert_close(dx[0], expected_dx[0], jnp.float32, name="dx")
@@ -136,7 +139,7 @@ def test_pallas_on_gpu_matches_float64(dtype):
   _, (expected_dx, expected_dw) = _float64_gradients(x, w, dy)
   y = short_conv_silu(jnp.asarray(x, dtype), jnp.asarray(w, jnp.float32), implementation="pallas")
   assert_close(y, _definition(x, w), dtype, name="output")
-  dx, dw = jax.grad(_loss("pallas", dtype, ShortConvBlocks()), argnums=(0, 1))(
+  dx, dw = jax.jit(jax.grad(_loss("pallas", dtype, ShortConvBlocks()), argnums=(0, 1)))(
       *(jnp.asarray(a, jnp.float32) for a in (x, w, dy)))
   assert_close(dx, expected_dx, dtype, name="dx")
   assert_close(dw, expected_dw, dtype, name="dw")
