@@ -240,9 +240,11 @@ def test_decode_equals_full_forward(implementation):
   group of a stack whose other groups hold NaN (`group=`): they are never read or written."""
   block_count = 4
   inputs, position, (k_cache, v_cache) = _decode_inputs(6, (30, 41), 10, max_length=64)
-  full = reference.nsa_attention(
-      *(jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "gates")),
-      block_size=BLOCK_SIZE, block_count=block_count, window_size=WINDOW_SIZE)
+  # Every step jitted (op by op, each small op would lower and compile on its own).
+  full = jax.jit(functools.partial(
+      reference.nsa_attention, block_size=BLOCK_SIZE, block_count=block_count,
+      window_size=WINDOW_SIZE))(*(jnp.asarray(inputs[n], jnp.float32)
+                                  for n in ("q", "k", "v", "gates")))
   num_blocks = compressed_blocks(64, BLOCK_SIZE, BLOCKS)
   caches = [stacked_in_poison(x) for x in (k_cache, v_cache) + compress_prompt(
       k_cache, v_cache, position, block_size=BLOCK_SIZE, num_blocks=num_blocks)]
@@ -252,15 +254,15 @@ def test_decode_equals_full_forward(implementation):
     step = jax.jit(functools.partial(pallas_decode.decode_attention, block_sizes=BLOCKS,
                                      interpret=True, **sizes))
   elif implementation == "reference":
-    step = functools.partial(reference.decode_attention, **sizes)
+    step = jax.jit(functools.partial(reference.decode_attention, **sizes))
   else:
-    step = lambda *args: nsa_decode_attention(*args[:-1], group=args[-1], implementation="xla",
-                                              **sizes)
+    step = jax.jit(lambda *args: nsa_decode_attention(*args[:-1], group=args[-1],
+                                                      implementation="xla", **sizes))
+  append = jax.jit(functools.partial(append_token, block_size=BLOCK_SIZE))
   rows = jnp.arange(2)
   at = lambda name: jnp.asarray(inputs[name], jnp.float32)[rows, position]
   for _ in range(10):
-    caches = append_token(*caches, at("k"), at("v"), position, block_size=BLOCK_SIZE,
-                          group=group)
+    caches = append(*caches, at("k"), at("v"), position, group=group)
     out = step(at("q"), at("gates"), *caches, position, group)
     assert_close(out, full[rows, position], jnp.float32, name=f"position {position}")
     position = position + 1
