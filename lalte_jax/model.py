@@ -87,8 +87,6 @@ class Block(nnx.Module):
     normed_BTD = self.mixer_norm(h_BTD)
     with jax.named_scope(f"{self.mixer_kind}_mixer"):  # names its kernels in profiles
       mixed_BTD, extra = mix(normed_BTD)
-    if self.mlp.decode_only:  # a decode step's prepared MLP: the add and norm in its kernels
-      return self.mlp.decode_residual(h_BTD, mixed_BTD, self.mlp_norm), extra
     return self._mlp_residual(h_BTD + mixed_BTD), extra
 
   def _mlp_residual(self, h_BTD: jax.Array, chunk_tokens: int | None = None) -> jax.Array:

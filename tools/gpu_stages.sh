@@ -74,9 +74,6 @@
 #   decode     the whole-model decode step (lalte-1.4b, gdn_swa-1.4b; B32 and B1 after 4K), ours
 #              and with XLA's default CUDA-graph size, then the GDN recurrent step's launch
 #              parameters against the copy (tools/bench_gdn_decode.py --sweep) (~6 min)
-#   decodematmul a decode step's MLPs at 1, 2, 8 and 16 rows: the fused decode_matmul kernels
-#              (residual add + RMSNorm, SwiGLU product) against XLA's unfused ops, over the
-#              kernel's launch parameters (tools/bench_decode_matmul.py --sweep; ~5 min)
 #   nsadecode  NSA decoding: the decode kernels' GPU parity tests, the decode attention's timings
 #              at 4K-64K (tools/bench_nsa.py) and the lansa-1.4b decode step at 4K and 64K (~5 min)
 #   nsatrain   NSA training: the NSA GPU parity tests, our kernels per launch-parameter candidate
@@ -93,7 +90,7 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|decodematmul|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -109,7 +106,7 @@ while (($#)); do
   esac
 done
 case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|decodematmul|nsadecode|nsatrain|multigpu|determinism) ;;
+  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
   *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
 esac
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
@@ -375,10 +372,6 @@ SUMMARY
     # The GDN layer's recurrent step alone against the copy, over its launch parameters.
     step 180 python3 tools/bench_gdn_decode.py --presets lalte-1.4b --sweep \
       --json "$dest/gdn_decode.json"
-    ;;
-  decodematmul)
-    step 400 python3 tools/bench_decode_matmul.py --rows 2 1 8 16 --sweep \
-      --json "$dest/decode_matmul.json"
     ;;
   nsadecode)
     step 200 python3 -m pytest -q -m gpu tests/pallas_kernels/test_nsa_pallas.py -k decode \

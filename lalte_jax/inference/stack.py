@@ -12,7 +12,6 @@ from flax import nnx
 
 from lalte_jax.inference import group_slot
 from lalte_jax.inference.caches import ModelCache, StepContext
-from lalte_jax.layers.mlp import SwiGLU
 from lalte_jax.mixers.gdn import GatedDeltaNet
 
 
@@ -32,18 +31,16 @@ def decode_groups(model) -> tuple | None:
 
   Split groups also hold each GDN layer's six input projections as one kernel, so that a decode
   step reads them in one GEMM a layer instead of six small ones (a step is bound by reading
-  weights and by kernel launches), and each MLP's gate and up kernels as one (its residual add,
-  norm and SiLU product then run inside `decode_matmul`'s projections); the fused kernels
-  replace the ones they join in the copy, they do not add to it.
+  weights and by kernel launches); the fused kernel replaces the six in the copy, it does not add
+  to it.
   """
   return split_groups(model) if jax.default_backend() == "gpu" else None
 
 
 def split_groups(model) -> tuple:
   """(graphdef, one state per layer group) of `model.groups`: the stacked parameters sliced, with
-  every GDN layer's input projections and every MLP's gate and up kernels fused
-  (`fuse_decode_projections`, a no-op on a model `prepared_for_decoding`), so the groups only
-  decode. The groups share the one
+  every GDN layer's input projections fused (`GatedDeltaNet.fuse_decode_projections`, a no-op on
+  a model `prepared_for_decoding`), so the groups only decode. The groups share the one
   graphdef."""
   graphdef, stacked_state = nnx.split(model.groups)
   num_groups = jax.tree.leaves(stacked_state)[0].shape[0]
@@ -56,9 +53,9 @@ def split_groups(model) -> tuple:
 
 
 def prepared_for_decoding(model):
-  """A copy of `model` whose GDN layers hold their input projections fused and whose MLPs their
-  gate and up kernels, on the stacked parameters (one more copy of those kernels; every other
-  array is shared with `model`). It only decodes. For a step jitted on its own (`generate.decode_step_fn`): the step then slices each
+  """A copy of `model` whose GDN layers hold their input projections fused, on the stacked
+  parameters (one more copy of those kernels; every other array is shared with `model`). It only
+  decodes. For a step jitted on its own (`generate.decode_step_fn`): the step then slices each
   group's fused kernel where it lies, and takes as many parameter arrays as the model has (with
   the split groups as arguments, twelve times as many at lalte-1.4b, the waited-for step took
   0.3-1.2 ms longer on one H200, in host gaps)."""
@@ -66,12 +63,11 @@ def prepared_for_decoding(model):
 
 
 def _fused(module):
-  """`module` (a fresh copy: it is changed) with `fuse_decode_projections` run on its GDN layers
-  and MLPs."""
+  """`module` (a fresh copy: it is changed) with `fuse_decode_projections` run on its GDN
+  layers."""
   # Listed first: fusing changes the graph that iter_graph walks.
-  layers = [node for _, node in nnx.iter_graph(module)
-            if isinstance(node, (GatedDeltaNet, SwiGLU))]
-  for layer in layers:
+  gdn_layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, GatedDeltaNet)]
+  for layer in gdn_layers:
     layer.fuse_decode_projections()
   return module
 
