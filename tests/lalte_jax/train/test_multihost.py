@@ -16,7 +16,11 @@ from tests.lalte_jax.train import cli_runs
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker_dies", "coordinator_dies"])
 def test_survivor_exits_when_a_process_dies(tmp_path, victim, children):
-  heartbeat_timeout_s, bound_s = 10, 60
+  # A 10 s heartbeat timeout was too short for CI's loaded 2-core machine: in one fresh-clone run
+  # (2026-11-30) the coordinator marked both tasks unhealthy before either had stepped, while the
+  # other slow tests compiled beside them. 20 s leaves the bound's meaning: the survivor must
+  # notice the dead peer within about one timeout, far below bound_s.
+  heartbeat_timeout_s, bound_s = 20, 60
   port = distributed.free_port()
   # Any model shows the failure; plain GDN compiles fastest. One device per process: with two, the
   # first step's CPU collectives (Gloo) hung in both processes about once in 30 runs (stacks
