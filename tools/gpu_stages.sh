@@ -90,7 +90,8 @@
 # longer than the scan: a cold 0.4b step 25-60 s, a 1.4b step 25-45 s on an H200.
 # Run from anywhere; the stage runs in the repository root.
 set -uo pipefail
-usage="usage: tools/gpu_stages.sh tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism [--out DIR] [--budget SECONDS] [--wheels DIR]"
+stages="tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism"
+usage="usage: tools/gpu_stages.sh $stages [--out DIR] [--budget SECONDS] [--wheels DIR]"
 (($#)) || { echo "$usage" >&2; exit 2; }
 stage=$1
 shift
@@ -105,10 +106,7 @@ while (($#)); do
     *) echo "unknown argument: $1" >&2; echo "$usage" >&2; exit 2 ;;
   esac
 done
-case "$stage" in
-  tests|kernels|attention|profile|kprofile|checks|sweeps|confirm|prep|gdn|gdn23|study|trainlte|trainprofile|remat|batches|batches14|layercopies|ltesweep|shortconv|ab|servingab|tma|longprompt|anchors|serving|decodeflags|decodegemm|routerprofile|genloop|flaprefill|decode|nsadecode|nsatrain|multigpu|determinism) ;;
-  *) echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2 ;;
-esac
+[[ "|$stages|" == *"|$stage|"* ]] || { echo "unknown stage: $stage" >&2; echo "$usage" >&2; exit 2; }
 [[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "--budget must be whole seconds, got $budget_s" >&2; exit 2; }
 mkdir -p "$dest" && dest=$(cd "$dest" && pwd) || exit 2
 [ -n "$wheels" ] && { wheels=$(cd "$wheels" && pwd) || exit 2; }

@@ -28,10 +28,10 @@ def tiny_config(name="lalte-tiny", dtype="float32", **lte_changes):
   return config
 
 
-def layer_forward(layer, x_BTD):
-  """layer(x_BTD) -> (out, score), the training-time layer as one compiled program (called op by
-  op, each of its small ops would lower and compile on its own)."""
-  return nnx.jit(lambda layer, x: layer(x))(layer, x_BTD)
+# layer(x_BTD) -> (out, score), the training-time layer as one compiled program (called op by op,
+# each of its small ops would lower and compile on its own). Defined once, so that a test calling
+# it twice on one layer and shape (after moving the router's bias) compiles it once.
+layer_forward = nnx.jit(lambda layer, x_BTD: layer(x_BTD))
 
 
 def set_keep_fraction(layer, x_BTD, fraction):
